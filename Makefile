@@ -1,0 +1,65 @@
+# Gradient Lab. Every target sets itself up: the first one you run builds .venv from the pins.
+# `make help` lists the targets.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
+NB ?=
+PREFER ?=
+NAME ?= workbook
+
+.DEFAULT_GOAL := help
+.PHONY: help setup lab notebooks workbook test test-unit test-notebooks test-gpu student bench repro clean
+
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "Gradient Lab needs Python 3.11, found " + sys.version.split()[0]'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP) ## create .venv with the pinned packages (idempotent)
+
+lab: $(STAMP) ## open the workbook in JupyterLab
+	$(VENV)/bin/jupyter lab notebooks/00_start_here.ipynb
+
+notebooks: $(STAMP) ## re-execute notebooks in place and sync their py/ twins (NB=05 for one; PREFER=py|ipynb)
+	$(PY) -m labkit execute $(NB) $(if $(PREFER),--prefer $(PREFER))
+
+workbook: $(STAMP) ## run every notebook with papermill into runs/$(NAME)/ and write summary.md/.html
+	$(PY) -m labkit workbook $(NB) --out runs/$(NAME)
+
+test: $(STAMP) ## unit tests, then nbval over every notebook (what CI runs)
+	$(PY) -m pytest tests -q
+	$(PY) -m pytest notebooks -q $(NBVAL)
+
+test-unit: $(STAMP) ## only the unit tests
+	$(PY) -m pytest tests -q
+
+test-notebooks: $(STAMP) ## only nbval over the notebooks (NB=05 for one)
+	$(PY) -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
+
+test-gpu: $(STAMP) ## GPU-marked tests and the notebooks' GPU sections (skips with the reason on a CPU machine)
+	@if $(PY) -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then \
+		$(PY) -m pytest tests -q -m gpu && $(PY) -m pytest notebooks -q $(NBVAL); \
+	else \
+		echo "test-gpu skipped: needs a CUDA device, and torch.cuda.is_available() is False on this machine"; \
+	fi
+
+student: $(STAMP) ## write the student edition into student/ (solutions removed, outputs cleared)
+	$(PY) -m labkit student notebooks student
+
+bench: $(STAMP) ## run the benchmarks in benchmarks/ (ratios measured in one run)
+	@for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+repro: $(STAMP) ## rerun one notebook: make repro NB=00_start_here P="-p seed 3 -p steps 50"
+	@test -n "$(NB)" || { echo 'usage: make repro NB=notebook P="-p name value ..."'; exit 2; }
+	$(PY) -m labkit repro $(NB) $(P)
+
+clean: ## remove .venv, runs/, student/ and caches
+	rm -rf $(VENV) runs student .pytest_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,48 @@
+"""`python -m labkit COMMAND ...`: the workbook's command line.
+
+Each command lives in the module that owns its idea; this file only dispatches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from labkit.errors import LabkitError
+
+COMMANDS = {
+    "claims": ("labkit.claims", "main", "print every claim verdict stored in the notebooks (--json for JSON)"),
+    "execute": ("labkit.repro", "execute_main", "sync, execute and normalise notebooks in place (make notebooks)"),
+    "workbook": ("labkit.repro", "workbook_main", "run every notebook under runs/<name>/ and write the summary"),
+    "repro": ("labkit.repro", "repro_main", "rerun one notebook with validated parameters"),
+    "student": ("labkit.student", "main", "write the student edition (solutions removed)"),
+    "progress": ("labkit.grading", "progress_main", "show which exercises pass in executed notebooks"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m labkit COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"labkit: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, function_name, _ = COMMANDS[name]
+    command = getattr(importlib.import_module(module_name), function_name)
+    try:
+        return int(command(rest) or 0)
+    except LabkitError as error:
+        print(f"labkit {name}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The case catalogue and the verdicts the notebooks record against it.
+
+The source articles make claims; several are wrong. A notebook states a claim by its ID, measures,
+and records what the data supports with `check(ID, verdict=..., evidence=...)`. The record is printed
+for the reader and stored in the notebook's outputs under a JSON mimetype, so
+`python -m labkit claims` can list every verdict from the stored notebooks without executing them.
+Taught in `00_start_here`; used by every notebook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import textwrap
+from dataclasses import asdict, dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from labkit.errors import LabkitError
+
+VERDICTS = ("holds", "does-not-hold", "partly", "needs-gpu", "untestable")
+MEASURED_VERDICTS = ("holds", "does-not-hold", "partly")
+CLAIM_MIME = "application/vnd.labkit.claim+json"
+METRIC_MIME = "application/vnd.labkit.metric+json"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One entry of the catalogue: a claim from the articles, in the workbook's own words."""
+
+    id: str
+    family: str
+    source: str
+    claim: str
+    gpu_only: bool
+    question: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a notebook concluded about one case, with the numbers behind it."""
+
+    id: str
+    verdict: str
+    evidence: str
+    claim: str
+    notebook: str = ""
+
+
+@cache
+def _catalogue_data() -> dict:
+    text = resources.files("labkit").joinpath("data/cases.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+@cache
+def catalogue() -> dict[str, Case]:
+    """Every case ID with its claim, in catalogue order."""
+    fields = Case.__dataclass_fields__
+    return {entry["id"]: Case(**{k: entry[k] for k in fields}) for entry in _catalogue_data()["cases"]}
+
+
+def families() -> dict[str, dict]:
+    """Family letter -> {"title", "notebooks"}."""
+    return dict(_catalogue_data()["families"])
+
+
+def case(case_id: str) -> Case:
+    """The catalogue entry for `case_id`; a clear error naming close IDs when it is unknown."""
+    known = catalogue()
+    if case_id in known:
+        return known[case_id]
+    near = difflib.get_close_matches(str(case_id), known, n=3)
+    hint = f" Did you mean {', '.join(near)}?" if near else ""
+    raise LabkitError(
+        f"unknown case ID {case_id!r}: it is not in labkit/data/cases.json.{hint} "
+        "Use an ID from the catalogue (python -m labkit claims --catalogue lists them)."
+    )
+
+
+def validate(case_id: str, verdict: str, evidence: str) -> None:
+    """Raise LabkitError unless the ID is catalogued, the verdict known and the evidence adequate."""
+    case(case_id)
+    if verdict not in VERDICTS:
+        raise LabkitError(f"unknown verdict {verdict!r} for {case_id}: use one of {', '.join(VERDICTS)}")
+    if not evidence or not evidence.strip():
+        raise LabkitError(f"{case_id}: a verdict needs evidence; say what was measured (or why it cannot be)")
+    if verdict in MEASURED_VERDICTS and not re.search(r"\d", evidence):
+        raise LabkitError(
+            f"{case_id}: a '{verdict}' verdict must carry the measured numbers in its evidence; got {evidence!r}"
+        )
+
+
+_session: list[Verdict] = []
+
+
+def check(case_id: str, verdict: str, evidence: str, claim: str | None = None) -> Verdict:
+    """Record the verdict the measurement supports for one case, and show it.
+
+    `claim` defaults to the catalogue's wording. `evidence` must hold the numbers for `holds`,
+    `does-not-hold` and `partly`, and the reason for `needs-gpu` and `untestable`.
+    """
+    validate(case_id, verdict, evidence)
+    record = Verdict(case_id, verdict, evidence.strip(), claim or case(case_id).claim)
+    _session[:] = [v for v in _session if v.id != case_id] + [record]
+    _emit(f"[{case_id}] {verdict}: {record.evidence}", CLAIM_MIME, asdict(record))
+    return record
+
+
+def metric(name: str, value: float | int | str | bool) -> None:
+    """Record one named result for papermill runs and sweeps (see `labkit.repro`)."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name):
+        raise LabkitError(f"metric name {name!r} must be an identifier such as 'eval_acc'")
+    if isinstance(value, float) and value != value:
+        raise LabkitError(f"metric {name!r} is NaN: record a finite value or a string saying why")
+    _emit(f"metric {name} = {value}", METRIC_MIME, {"name": name, "value": value})
+
+
+def recorded() -> list[Verdict]:
+    """The verdicts recorded in this kernel session, in the order they were first checked."""
+    return list(_session)
+
+
+def reset() -> None:
+    """Forget this session's verdicts (tests use it; a notebook's kernel starts empty)."""
+    _session.clear()
+
+
+def table(verdicts: list[Verdict] | None = None, width: int = 100) -> str:
+    """Print and return the *Claims checked* table: ID, claim, verdict, evidence."""
+    rows = recorded() if verdicts is None else verdicts
+    if not rows:
+        text = "No claims checked yet."
+    else:
+        text = "\n\n".join(_format_row(v, width) for v in rows)
+    print(text)
+    return text
+
+
+def _format_row(v: Verdict, width: int) -> str:
+    head = f"{v.id:<5} {v.verdict.upper()}"
+    wrap = textwrap.TextWrapper(width=width, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join([head, wrap.fill("claim: " + v.claim), wrap.fill("evidence: " + v.evidence)])
+
+
+def _emit(text: str, mime: str, payload: dict) -> None:
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display({"text/plain": text, mime: payload}, raw=True)
+    else:
+        print(text)
+
+
+def stored_records(notebook: str | Path, mime: str = CLAIM_MIME) -> list[dict]:
+    """The records of one mimetype stored in a notebook's outputs, without executing it."""
+    path = Path(notebook)
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise LabkitError(f"cannot read notebook {path}: {error}") from error
+    found = []
+    for cell in nb.get("cells", []):
+        for output in cell.get("outputs", []):
+            payload = output.get("data", {}).get(mime)
+            if payload is not None:
+                found.append(dict(payload, notebook=path.stem))
+    return found
+
+
+def collect(paths: list[str | Path]) -> list[dict]:
+    """Every claim verdict stored in the given notebooks (or folders of notebooks), validated."""
+    records = []
+    for notebook in _notebooks(paths):
+        for record in stored_records(notebook):
+            try:
+                validate(record.get("id", ""), record.get("verdict", ""), record.get("evidence", ""))
+            except LabkitError as error:
+                raise LabkitError(f"{notebook}: {error}") from error
+            records.append({k: record[k] for k in ("id", "notebook", "verdict", "evidence", "claim")})
+    return records
+
+
+def _notebooks(paths: list[str | Path]) -> list[Path]:
+    found = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found += sorted(path.glob("[0-9][0-9]_*.ipynb"))
+        elif path.suffix == ".ipynb" and path.exists():
+            found.append(path)
+        else:
+            raise LabkitError(f"{path} is neither a notebook nor a folder of notebooks")
+    return found
+
+
+def coverage(records: list[dict]) -> dict[str, list[str]]:
+    """Which catalogue IDs have a recorded verdict and which do not."""
+    seen = {r["id"] for r in records}
+    ids = list(catalogue())
+    return {"recorded": [i for i in ids if i in seen], "missing": [i for i in ids if i not in seen]}
+
+
+def main(argv: list[str]) -> int:
+    """`python -m labkit claims [PATHS] [--json] [--catalogue] [--missing]`."""
+    parser = argparse.ArgumentParser(prog="python -m labkit claims", description=main.__doc__)
+    parser.add_argument("paths", nargs="*", default=["notebooks"], help="notebooks or folders (default: notebooks)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of {id, notebook, verdict, evidence}")
+    parser.add_argument("--catalogue", action="store_true", help="list the case catalogue instead")
+    parser.add_argument("--missing", action="store_true", help="also list catalogue IDs with no verdict yet")
+    args = parser.parse_args(argv)
+    if args.catalogue:
+        return _print_catalogue(args.json)
+    records = collect(args.paths)
+    if args.json:
+        print(json.dumps([{k: r[k] for k in ("id", "notebook", "verdict", "evidence")} for r in records], indent=2))
+        return 0
+    for r in records:
+        print(f"{r['id']:<5} {r['notebook']:<28} {r['verdict']:<14} {r['evidence']}")
+    cover = coverage(records)
+    print(f"\n{len(cover['recorded'])} of {len(catalogue())} catalogue IDs have a recorded verdict.")
+    if args.missing:
+        print("missing: " + " ".join(cover["missing"]))
+    return 0
+
+
+def _print_catalogue(as_json: bool) -> int:
+    cases = [asdict(c) for c in catalogue().values()]
+    if as_json:
+        print(json.dumps(cases, indent=2))
+    else:
+        for c in cases:
+            gpu = " [GPU]" if c["gpu_only"] else ""
+            print(f"{c['id']:<5}{gpu} {c['claim']}")
+    return 0

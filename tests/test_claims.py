@@ -1,0 +1,92 @@
+"""labkit.claims: the catalogue, the verdict record, and reading verdicts back from notebooks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from labkit import LabkitError, claims
+
+CLAIM_CELL = (
+    "from labkit import claims\n"
+    "claims.check('Z1', verdict='holds', evidence='max |diff| = 0.0 over 8 values')\n"
+    "claims.metric('grad_norm', 1.5)"
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_session():
+    claims.reset()
+    yield
+    claims.reset()
+
+
+def test_catalogue_has_every_family_and_unique_ids():
+    ids = list(claims.catalogue())
+    assert len(ids) == len(set(ids)) >= 80
+    assert {c.family for c in claims.catalogue().values()} == set(claims.families())
+    assert all(c.claim and c.question for c in claims.catalogue().values())
+
+
+def test_unknown_id_is_an_error_that_suggests_close_ids():
+    with pytest.raises(LabkitError, match=r"unknown case ID 'A11'.*Did you mean"):
+        claims.check("A11", verdict="holds", evidence="1.0")
+
+
+@pytest.mark.parametrize("verdict, evidence, message", [
+    ("true", "1.0", "unknown verdict"),
+    ("holds", "   ", "needs evidence"),
+    ("does-not-hold", "it looked fine", "measured numbers"),
+])
+def test_bad_verdicts_are_rejected(verdict, evidence, message):
+    with pytest.raises(LabkitError, match=message):
+        claims.check("Z1", verdict=verdict, evidence=evidence)
+
+
+def test_needs_gpu_takes_a_reason_without_numbers(capsys):
+    claims.check("A2", verdict="needs-gpu", evidence="times CUDA kernels; this machine has no CUDA device")
+    assert "[A2] needs-gpu" in capsys.readouterr().out
+
+
+def test_rechecking_an_id_replaces_its_verdict_and_table_lists_it(capsys):
+    claims.check("Z1", verdict="partly", evidence="3 of 4 cases")
+    claims.check("Z1", verdict="holds", evidence="4 of 4 cases")
+    assert [v.verdict for v in claims.recorded()] == ["holds"]
+    text = claims.table()
+    assert "Z1" in text and "HOLDS" in text and "4 of 4 cases" in text
+
+
+def test_metric_names_must_be_identifiers():
+    with pytest.raises(LabkitError, match="identifier"):
+        claims.metric("eval acc", 0.5)
+
+
+def executed(make_notebook, tmp_path, cell=CLAIM_CELL):
+    from labkit.repro import run_notebook
+
+    source = make_notebook("01_fixture", "seed = 0", cell)
+    result = run_notebook(source, tmp_path / "out", timeout=120)
+    assert result.status == "ok", result.error
+    return tmp_path / "out" / "01_fixture.ipynb", result
+
+
+def test_verdicts_are_read_back_from_stored_outputs_without_execution(make_notebook, tmp_path):
+    notebook, result = executed(make_notebook, tmp_path)
+    records = claims.collect([notebook])
+    assert [(r["id"], r["verdict"], r["notebook"]) for r in records] == [("Z1", "holds", "01_fixture")]
+    assert result.metrics == {"grad_norm": 1.5}
+    cli = subprocess.run([sys.executable, "-m", "labkit", "claims", "--json", str(notebook)],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(cli.stdout) == [
+        {"id": "Z1", "notebook": "01_fixture", "verdict": "holds", "evidence": "max |diff| = 0.0 over 8 values"}
+    ]
+
+
+def test_cli_rejects_a_stored_notebook_with_a_bad_id(make_notebook, tmp_path):
+    notebook, _ = executed(make_notebook, tmp_path)
+    notebook.write_text(notebook.read_text().replace('"Z1"', '"Q9"'))
+    cli = subprocess.run([sys.executable, "-m", "labkit", "claims", "--json", str(notebook)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 2
+    assert "unknown case ID 'Q9'" in cli.stderr and "01_fixture.ipynb" in cli.stderr

@@ -1,0 +1,104 @@
+"""The committed notebooks: in sync with their scripts, executed, normalised, following the skeleton.
+
+nbval (run by `make test` after the unit tests) checks that each notebook's stored outputs still
+match what its code prints; the tests here check everything nbval does not.
+"""
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import claims, repro
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = repro.workbook_notebooks(ROOT / "notebooks")
+SKELETON_HEADINGS = ("Exercises", "Claims checked", "Summary")
+
+
+def ids(paths):
+    return [p.stem for p in paths]
+
+
+@pytest.fixture(params=NOTEBOOKS, ids=ids(NOTEBOOKS))
+def notebook(request):
+    return request.param
+
+
+def test_notebook_and_its_script_agree(notebook):
+    assert repro.pair_differences(notebook) == [], f"run `make notebooks NB={notebook.stem}` to sync the pair"
+
+
+def test_every_code_cell_was_executed_without_errors(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+    unexecuted = [i for i, c in enumerate(code) if c.execution_count is None]
+    errors = [o.get("ename") for c in code for o in c.outputs if o.output_type == "error"]
+    assert not unexecuted, f"unexecuted code cells {unexecuted}: run `make notebooks NB={notebook.stem}`"
+    assert not errors, f"stored error outputs: {errors}"
+
+
+def test_stored_notebook_holds_no_volatile_metadata(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    normalised = copy.deepcopy(nb)
+    repro.normalise(normalised)
+    assert normalised == nb, "volatile metadata stored: run `make notebooks` to normalise"
+
+
+def test_parameters_cell_has_seed_and_device(notebook):
+    params = repro.notebook_parameters(notebook)
+    assert isinstance(params.get("seed"), int) and params.get("device") == "auto", params
+
+
+def test_notebook_follows_the_skeleton(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    headings = [line.lstrip("# ").strip() for c in nb.cells if c.cell_type == "markdown"
+                for line in c.source.splitlines() if line.startswith("#")]
+    positions = [next((i for i, h in enumerate(headings) if h.startswith(name)), None) for name in SKELETON_HEADINGS]
+    assert None not in positions, f"missing skeleton headings {SKELETON_HEADINGS}: have {headings}"
+    assert positions == sorted(positions), f"skeleton headings out of order: {headings}"
+
+
+def test_notebook_records_verdicts_for_catalogued_cases(notebook):
+    records = claims.collect([notebook])
+    assert records, "a notebook records at least one verdict with claims.check"
+    family_notebooks = {nb for fam in claims.families().values() for nb in fam["notebooks"]}
+    assert notebook.stem in family_notebooks, f"{notebook.stem} is not a planned notebook in cases.json"
+
+
+def test_no_code_cell_reaches_into_private_labkit_helpers(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    private = [line for c in nb.cells if c.cell_type == "code" for line in c.source.splitlines()
+               if re.search(r"labkit(\.\w+)*\._\w", line) or re.search(r"from labkit[\w.]* import .*\b_\w", line)]
+    assert not private, f"notebooks use only labkit's public API: {private}"
+
+
+def nbval(path):
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "--nbval-current-env",
+         "--nbval-sanitize-with", str(ROOT / "notebooks" / "nbval_sanitize.cfg"), str(path)],
+        capture_output=True, text=True, cwd=path.parent,
+    )
+
+
+def test_nbval_fails_when_stored_outputs_are_stale(tmp_path):
+    """nbdev's discipline: change a notebook's code without re-executing it, and the check fails."""
+    source = ROOT / "notebooks" / "00_start_here.ipynb"
+    fresh = shutil.copy(source, tmp_path / "fresh.ipynb")
+    control = nbval(Path(fresh))
+    assert control.returncode == 0, control.stdout[-2000:]
+
+    nb = json.loads(source.read_text())
+    printing = next(c for c in nb["cells"] if c["cell_type"] == "code" and
+                    any(o.get("output_type") == "stream" for o in c.get("outputs", [])))
+    printing["source"] = "".join(printing["source"]) + "\nprint('a line the stored outputs do not have')"
+    stale = tmp_path / "stale.ipynb"
+    stale.write_text(json.dumps(nb))
+    result = nbval(stale)
+    assert result.returncode != 0 and "a line the stored outputs do not have" in result.stdout

@@ -1,0 +1,42 @@
+"""The pins are the course's reproducibility: pyproject, environment.yml and the lock must agree."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pyproject_pins():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project["dependencies"] + project["optional-dependencies"]["dev"]
+
+
+def test_every_direct_dependency_is_pinned_exactly():
+    loose = [p for p in pyproject_pins() if not re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", p)]
+    assert not loose, f"pin these exactly with ==: {loose}"
+
+
+def test_torch_is_the_course_version():
+    assert "torch==2.13.0" in pyproject_pins()
+
+
+def test_environment_yml_lists_the_same_pins():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    conda_pins = sorted(line for line in pip_section if "==" in line)
+    assert conda_pins == sorted(pyproject_pins())
+    assert "python=3.11" in env["dependencies"]
+
+
+def test_lock_file_agrees_with_direct_pins():
+    locked = dict(
+        line.split("==", 1) for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line
+    )
+    normalise = lambda name: name.lower().replace("_", "-")
+    locked = {normalise(k): v for k, v in locked.items()}
+    for pin in pyproject_pins():
+        name, version = pin.split("==")
+        assert locked.get(normalise(name)) == version, f"constraints.txt disagrees with pyproject on {name}"

@@ -1,0 +1,99 @@
+"""labkit.repro: devices, seeding, parameter validation, and runs that fail clearly."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from labkit import LabkitError, repro
+
+PARAMS = 'seed = 0\ndevice = "auto"\nsteps = 3\nlr = 0.1\nbug = False'
+
+
+def test_auto_device_is_cpu_without_cuda_and_cuda_is_refused_clearly():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the refusal is for CPU-only machines")
+    assert repro.pick_device("auto").type == "cpu"
+    with pytest.raises(LabkitError, match="no CUDA device.*device='auto'"):
+        repro.pick_device("cuda")
+    with pytest.raises(LabkitError, match="not one of"):
+        repro.pick_device("gpu")
+
+
+def test_setup_makes_random_streams_repeat():
+    repro.setup(seed=7, device="cpu")
+    first = torch.randn(4)
+    repro.setup(seed=7, device="cpu")
+    assert torch.equal(first, torch.randn(4))
+    with pytest.raises(LabkitError, match="non-negative int"):
+        repro.setup(seed=-1)
+
+
+def test_parameters_are_read_from_the_tagged_cell(make_notebook):
+    nb = make_notebook("p", PARAMS, "print(steps)")
+    assert repro.notebook_parameters(nb) == {"seed": 0, "device": "auto", "steps": 3, "lr": 0.1, "bug": False}
+
+
+def test_unknown_parameter_lists_the_allowed_ones(make_notebook):
+    nb = make_notebook("p", PARAMS, "print(steps)")
+    with pytest.raises(LabkitError, match=r"no parameter stpes; allowed: seed \(default 0\), device"):
+        repro.validate_parameters(nb, {"stpes": 5})
+
+
+@pytest.mark.parametrize("name, value", [("steps", "five"), ("bug", 1), ("steps", 2.5), ("device", 0)])
+def test_wrong_types_are_rejected(make_notebook, name, value):
+    nb = make_notebook("p", PARAMS, "print(steps)")
+    with pytest.raises(LabkitError, match=f"parameter {name} expects"):
+        repro.validate_parameters(nb, {name: value})
+
+
+def test_ints_are_accepted_for_float_parameters(make_notebook):
+    nb = make_notebook("p", PARAMS, "print(steps)")
+    assert repro.validate_parameters(nb, {"lr": 1}) == {"lr": 1.0}
+
+
+def test_command_line_values_parse_as_literals():
+    assert [repro.parse_value(v) for v in ["8", "0.5", "true", "None", "cpu"]] == [8, 0.5, True, None, "cpu"]
+
+
+def test_a_run_writes_only_under_its_folder_with_the_given_parameters(make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, "open('side_effect.txt', 'w').write(str(steps))")
+    result = repro.run_notebook(nb, tmp_path / "run", {"steps": 11}, timeout=120)
+    assert result.status == "ok", result.error
+    assert (tmp_path / "run" / "side_effect.txt").read_text() == "11"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.ipynb", "run"]
+    assert json.loads((tmp_path / "run" / "p.result.json").read_text())["parameters"] == {"steps": 11}
+
+
+def test_a_raising_cell_is_named_in_the_error(make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, "x = 1", "raise RuntimeError('planted failure')")
+    result = repro.run_notebook(nb, tmp_path / "run", timeout=120)
+    assert result.status == "failed"
+    assert "p.ipynb: cell 2 (\"raise RuntimeError('planted failure')\") raised RuntimeError: planted failure" in result.error
+
+
+def test_a_hung_notebook_is_stopped_at_the_timeout(make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, "import time; time.sleep(600)")
+    started = time.monotonic()
+    result = repro.run_notebook(nb, tmp_path / "run", timeout=15)
+    assert time.monotonic() - started < 40
+    assert result.status == "failed" and "timed out after 15 s in cell 1 ('import time; time.sleep(600)')" in result.error
+
+
+def test_a_killed_kernel_ends_the_run_with_a_clear_cause(make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    started = time.monotonic()
+    result = repro.run_notebook(nb, tmp_path / "run", timeout=120)
+    assert time.monotonic() - started < 100
+    assert result.status == "failed"
+    assert "the kernel died in cell 1 ('import os, signal" in result.error, result.error
+
+
+def test_summary_lists_runs_and_claims(tmp_path):
+    runs = [repro.RunResult("00_a", "ok", 1.5, "x", claims=[{"id": "Z1", "verdict": "holds", "evidence": "0 diff"}]),
+            repro.RunResult("01_b", "failed", 2.0, "y", error="cell 3 raised ValueError: bad")]
+    repro.write_summary(runs, tmp_path)
+    md = (tmp_path / "summary.md").read_text()
+    assert "1/2 ok" in md and "| Z1 | 00_a | holds | 0 diff |" in md and "cell 3 raised ValueError" in md
+    assert "<td>Z1</td>" in (tmp_path / "summary.html").read_text()
