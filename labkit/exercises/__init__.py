@@ -1,0 +1,98 @@
+"""The exercise registry: every graded exercise's check, by ID.
+
+Each notebook's checks live in one module, `labkit/exercises/nbNN.py`, and register themselves with
+the `@exercise` decorator. A check receives the learner's function, tests its *behaviour* on
+fixtures it builds itself, and either returns one sentence saying what passed or raises `NotYet`
+saying what is still wrong. Running a check safely, printing the verdict and keeping the score is
+`labkit.grading`'s job; 00_start_here teaches that workflow.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from labkit.errors import LabkitError
+
+EXERCISE_ID = re.compile(r"^(\d{2})\.(\d+)$")
+NOTEBOOK_NAME = re.compile(r"^(\d{2})_\w+$")
+# Only modules named like the notebooks they grade are loaded, so a helper module cannot register by accident.
+CHECK_MODULE = re.compile(r"^nb\d{2}$")
+
+
+class NotYet(Exception):
+    """Raised by a check when the learner's answer is still wrong (taught in 00_start_here).
+
+    ``problem`` says what is wrong, in the learner's terms; ``hint`` replaces the exercise's default
+    hint when this failure needs a more specific one.
+    """
+
+    def __init__(self, problem: str, hint: str | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.hint = hint
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One registered exercise: its ID (``NN.K``), notebook, short title, default hint and check."""
+
+    id: str
+    notebook: str
+    title: str
+    hint: str
+    check: Callable[[Callable], str]
+
+
+_REGISTRY: dict[str, Exercise] = {}
+
+
+def exercise(exercise_id: str, *, notebook: str, title: str, hint: str) -> Callable:
+    """Register the decorated function as the check for ``exercise_id`` (see 00_start_here).
+
+    The ID is ``NN.K`` where ``NN`` is the notebook's number, so ``00.1`` belongs to ``00_start_here``.
+    """
+
+    _validate_id(exercise_id, notebook)
+
+    def register(check: Callable[[Callable], str]) -> Callable[[Callable], str]:
+        existing = _REGISTRY.get(exercise_id)
+        # Re-importing the same module (importlib.reload in a notebook) re-registers; another module may not.
+        if existing is not None and existing.check.__module__ != check.__module__:
+            raise LabkitError(
+                f"exercise {exercise_id} is registered twice ({existing.check.__module__} and "
+                f"{check.__module__}): give the new one the next free number"
+            )
+        _REGISTRY[exercise_id] = Exercise(exercise_id, notebook, title, hint, check)
+        return check
+
+    return register
+
+
+def _validate_id(exercise_id: str, notebook: str) -> None:
+    id_match = EXERCISE_ID.match(exercise_id)
+    notebook_match = NOTEBOOK_NAME.match(notebook)
+    if id_match is None:
+        raise LabkitError(f"exercise ID {exercise_id!r} is not of the form NN.K (for example '00.1')")
+    if notebook_match is None:
+        raise LabkitError(f"notebook {notebook!r} is not a notebook name of the form NN_name (no .ipynb)")
+    if id_match.group(1) != notebook_match.group(1):
+        raise LabkitError(
+            f"exercise {exercise_id} cannot belong to {notebook}: an exercise ID starts with its notebook's number"
+        )
+
+
+def registry() -> dict[str, Exercise]:
+    """Every registered exercise by ID, in course order, after loading all `nbNN` check modules."""
+    for module in pkgutil.iter_modules(__path__):
+        if CHECK_MODULE.match(module.name):
+            importlib.import_module(f"{__name__}.{module.name}")
+    return dict(sorted(_REGISTRY.items(), key=lambda item: exercise_order(item[0])))
+
+
+def exercise_order(exercise_id: str) -> tuple[int, ...]:
+    """Sort key putting ``00.2`` before ``00.10``."""
+    return tuple(int(number) for number in re.findall(r"\d+", exercise_id))

@@ -1,0 +1,190 @@
+"""Checks for the exercises of 00_start_here, on claim Z1: `.grad` adds up across backward passes.
+
+00.1 asks for one correct SGD step (the planted bug forgets `optimizer.zero_grad()`); 00.2 asks for
+one gradient per call from a single leaf tensor (the planted bug keeps `w.grad` itself, which every
+later backward pass adds into). Both fixtures start with a gradient already left in `.grad`, as
+after an earlier inspection, because that is when the bug bites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.exercises import NotYet, exercise
+
+NOTEBOOK = "00_start_here"
+LEARNING_RATE = 0.1
+STEPS = 3
+FEATURES = 4
+BATCH = 8
+TOLERANCE = 1e-6
+
+
+@exercise(
+    "00.1",
+    notebook=NOTEBOOK,
+    title="one correct SGD step",
+    hint="call optimizer.zero_grad() before loss.backward(), so each step uses only this batch's gradient",
+)
+def check_one_training_step(one_training_step: Callable) -> str:
+    """Three steps of the learner's function must match SGD on fresh gradients, step by step."""
+    model, leftover, batches = _step_fixture()
+    start = [parameter.detach().clone() for parameter in model.parameters()]
+    clean_params, clean_losses = _sgd_reference(start, leftover, batches, keep_old_grads=False)
+    piled_params, _ = _sgd_reference(start, leftover, batches, keep_old_grads=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    for step, (x, y) in enumerate(batches, start=1):
+        loss = one_training_step(model, optimizer, x, y)
+        _require_loss(loss, clean_losses[step - 1], step)
+        params = [parameter.detach() for parameter in model.parameters()]
+        _require_step(params, start, clean_params[step - 1], piled_params[step - 1], step)
+    return f"{STEPS} steps match SGD on fresh gradients to {TOLERANCE:g}, even with an old gradient left in .grad"
+
+
+def _step_fixture() -> tuple[nn.Linear, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Linear(FEATURES, 1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    # An earlier backward pass (someone inspecting gradients) leaves this in .grad.
+    probe_x, probe_y = torch.randn(BATCH, FEATURES, generator=generator), torch.randn(BATCH, 1, generator=generator)
+    F.mse_loss(model(probe_x), probe_y).backward()
+    leftover = [parameter.grad.clone() for parameter in model.parameters()]
+    batches = [
+        (torch.randn(BATCH, FEATURES, generator=generator), torch.randn(BATCH, 1, generator=generator))
+        for _ in range(STEPS)
+    ]
+    return model, leftover, batches
+
+
+def _sgd_reference(
+    start: list[torch.Tensor],
+    leftover: list[torch.Tensor],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    keep_old_grads: bool,
+) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """Parameters after each SGD step and the loss before it, from `autograd.grad` (never `.grad`).
+
+    With ``keep_old_grads`` each step's gradient is added to all earlier ones, which is what a
+    step without `zero_grad()` does; that second run lets the check name the bug precisely.
+    """
+    params = [tensor.clone().requires_grad_() for tensor in start]
+    carried = [tensor.clone() for tensor in leftover] if keep_old_grads else [torch.zeros_like(t) for t in start]
+    after_each_step, losses = [], []
+    for x, y in batches:
+        loss = F.mse_loss(F.linear(x, *params), y)
+        grads = torch.autograd.grad(loss, params)
+        used = [old + new for old, new in zip(carried, grads)]
+        if keep_old_grads:
+            carried = used
+        params = [(param - LEARNING_RATE * grad).detach().requires_grad_() for param, grad in zip(params, used)]
+        after_each_step.append([param.detach() for param in params])
+        losses.append(loss.item())
+    return after_each_step, losses
+
+
+def _require_loss(loss: object, expected: float, step: int) -> None:
+    if not isinstance(loss, float):
+        raise NotYet(
+            f"step {step} returned a {type(loss).__name__}, not the loss as a Python float",
+            hint="return loss.item(): a float that does not keep the autograd graph alive",
+        )
+    if abs(loss - expected) > TOLERANCE * max(1.0, abs(expected)):
+        raise NotYet(
+            f"step {step} returned {loss:.4g}, but F.mse_loss(model(x), y) on that batch "
+            f"before the step is {expected:.4g}",
+            hint="compute the loss with F.mse_loss(model(x), y), call backward on it and return loss.item()",
+        )
+
+
+def _require_step(
+    params: list[torch.Tensor],
+    start: list[torch.Tensor],
+    clean: list[torch.Tensor],
+    piled: list[torch.Tensor],
+    step: int,
+) -> None:
+    if step == 1 and _max_difference(params, start) == 0:
+        raise NotYet(
+            "the parameters did not change after step 1",
+            hint="after loss.backward(), call optimizer.step() to apply the gradient",
+        )
+    if _max_difference(params, clean) <= TOLERANCE:
+        return
+    if _max_difference(params, piled) <= TOLERANCE:
+        raise NotYet(
+            f"after step {step} the parameters moved as if .grad still held the gradients of earlier "
+            "backward passes (.grad adds every backward pass to what it holds: claim Z1)"
+        )
+    raise NotYet(
+        f"after step {step} the parameters differ by {_max_difference(params, clean):.2g} from one SGD step "
+        f"on F.mse_loss(model(x), y) with the optimizer you were given"
+    )
+
+
+def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(first, second))
+
+
+@exercise(
+    "00.2",
+    notebook=NOTEBOOK,
+    title="one gradient per call",
+    hint=(
+        "each backward pass adds into w.grad (claim Z1), so clear it before each one (w.grad = None) and keep "
+        "a copy, or use torch.autograd.grad, which leaves .grad alone"
+    ),
+)
+def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
+    """Each returned gradient must be that of `(w * x).sum()` for its own x alone."""
+    w, inputs = _per_call_fixture()
+    w_before = w.detach().clone()
+    expected = [torch.autograd.grad((w * x).sum(), w)[0] for x in inputs]
+    grads = grad_of_each_call(w, inputs)
+    _require_tensor_list(grads, len(inputs))
+    if not torch.equal(w.detach(), w_before):
+        raise NotYet("your function changed the values of w", hint="only call backward; never update w here")
+    if len({id(grad) for grad in grads}) < len(grads):
+        raise NotYet(
+            "your list holds the same tensor more than once: w.grad is one tensor that each backward pass adds into"
+        )
+    for index, (got, want) in enumerate(zip(grads, expected)):
+        _require_gradient(got, want, index)
+    return (
+        f"each of the {len(inputs)} gradients matches torch.autograd.grad for its own call, "
+        "even with an old gradient in w.grad"
+    )
+
+
+def _per_call_fixture() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(FEATURES, generator=generator).requires_grad_()
+    inputs = [torch.randn(FEATURES, generator=generator) for _ in range(STEPS)]
+    # An earlier backward pass leaves a gradient in w.grad, as in a notebook that inspected it.
+    (w * torch.randn(FEATURES, generator=generator)).sum().backward()
+    return w, inputs
+
+
+def _require_tensor_list(grads: object, count: int) -> None:
+    if not isinstance(grads, (list, tuple)) or len(grads) != count:
+        size = f"of length {len(grads)}" if isinstance(grads, (list, tuple)) else type(grads).__name__
+        raise NotYet(f"expected a list of {count} gradients, one per input, but got a {size}")
+    for index, grad in enumerate(grads):
+        if not isinstance(grad, torch.Tensor):
+            raise NotYet(f"entry {index} of your list is a {type(grad).__name__}, not a tensor")
+
+
+def _require_gradient(got: torch.Tensor, want: torch.Tensor, index: int) -> None:
+    if got.shape != want.shape:
+        raise NotYet(f"gradient {index} has shape {tuple(got.shape)}, but w has shape {tuple(want.shape)}")
+    difference = (got.detach() - want).abs().max().item()
+    if not difference <= TOLERANCE:
+        raise NotYet(
+            f"gradient {index} differs by {difference:.2g} from the gradient of (w * inputs[{index}]).sum() alone"
+        )

@@ -1,0 +1,269 @@
+"""The student edition: the solution notebooks with every answer replaced by a TODO stub.
+
+`python -m labkit student [SRC] [DEST]` (what `make student` runs) reads each `SRC/NN_*.ipynb`
+(default `notebooks/`) and writes `DEST/NN_*.ipynb` (default `student/`): the lines between
+`### BEGIN SOLUTION` and `### END SOLUTION` become a stub, outputs and execution counts are cleared,
+and everything else (planted bugs, checks, the `parameters` cell and its tags) stays as it is. The
+edition is generated, never hand-edited. This module also owns the exercise-cell convention of
+notebooks/AUTHORING.md, which tests/test_exercises.py uses to find each exercise's three cells.
+00_start_here teaches the workflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from labkit.errors import LabkitError
+
+BEGIN_SOLUTION = "### BEGIN SOLUTION"
+END_SOLUTION = "### END SOLUTION"
+EXERCISE_HEADER = re.compile(r"^# exercise (\d{2}\.\d+)\s*$")
+PLANTED_BUG_HEADER = re.compile(r"^# planted bug for exercise (\d{2}\.\d+)\s*$")
+CHECK_CALL = re.compile(r"""grading\.check\(\s*["'](\d{2}\.\d+)["']\s*,\s*([A-Za-z_]\w*)\s*\)""")
+NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+STUB = ('# YOUR CODE HERE', 'raise NotImplementedError("Exercise {id}: replace this line with your answer")')
+# Marks a notebook as this generator's output, so a rerun overwrites only the edition's own files.
+EDITION_METADATA = {"edition": "student"}
+
+
+@dataclass(frozen=True)
+class ExerciseCells:
+    """One exercise's three cells in a solution notebook, as source text (see notebooks/AUTHORING.md)."""
+
+    exercise: str
+    planted_bug: str
+    solution: str
+    check: str
+    function: str
+
+
+def nbgrader_metadata(exercise_id: str) -> dict:
+    """The cell metadata nbgrader needs to treat an exercise cell as an autograded answer."""
+    grade_id = "exercise_" + exercise_id.replace(".", "_")
+    return {"grade": False, "grade_id": grade_id, "locked": False, "schema_version": 3, "solution": True}
+
+
+def exercise_id_of(cell: dict, header: re.Pattern = EXERCISE_HEADER) -> str | None:
+    """The ``NN.K`` in a code cell's first line when it matches ``header``, else None."""
+    if cell["cell_type"] != "code":
+        return None
+    match = header.match(cell["source"].split("\n", 1)[0])
+    return match.group(1) if match else None
+
+
+def solution_regions(source: str, where: str) -> list[tuple[int, int]]:
+    """Line index pairs (begin marker, end marker) of each solution region; LabkitError if unbalanced."""
+    regions, begin = [], None
+    for index, line in enumerate(source.split("\n")):
+        marker = line.strip()
+        if marker == BEGIN_SOLUTION:
+            if begin is not None:
+                raise LabkitError(
+                    f"{where}: '{BEGIN_SOLUTION}' on line {index + 1} opens a region inside another; "
+                    f"close the first with '{END_SOLUTION}'"
+                )
+            begin = index
+        elif marker == END_SOLUTION:
+            if begin is None:
+                raise LabkitError(f"{where}: '{END_SOLUTION}' on line {index + 1} has no '{BEGIN_SOLUTION}' above it")
+            regions.append((begin, index))
+            begin = None
+    if begin is not None:
+        raise LabkitError(
+            f"{where}: '{BEGIN_SOLUTION}' on line {begin + 1} is never closed; add '{END_SOLUTION}' after the answer"
+        )
+    return regions
+
+
+def stub_solution(source: str, exercise_id: str, where: str = "exercise cell") -> str:
+    """``source`` with each solution region, markers included, replaced by the indented TODO stub."""
+    lines = source.split("\n")
+    for begin, end in reversed(solution_regions(source, where)):
+        indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
+        lines[begin : end + 1] = [indent + line.format(id=exercise_id) for line in STUB]
+    return "\n".join(lines)
+
+
+def find_exercises(notebook: nbformat.NotebookNode, name: str) -> dict[str, ExerciseCells]:
+    """Every exercise in a solution notebook, checked against the convention; LabkitError names the fix.
+
+    ``name`` is the notebook's file name, used in messages and to check each ID's ``NN`` prefix.
+    """
+    cells = notebook.cells
+    found: dict[str, dict[str, tuple[int, str]]] = {}
+    for index, cell in enumerate(cells):
+        where = f"{name} cell {index + 1}"
+        for role, exercise_id in _cell_roles(cell, where):
+            _check_prefix(exercise_id, name, where)
+            roles = found.setdefault(exercise_id, {})
+            if role in roles:
+                raise LabkitError(
+                    f"{where}: exercise {exercise_id} already has a {role} cell (cell {roles[role][0] + 1})"
+                )
+            roles[role] = (index, cell["source"])
+    return {exercise_id: _assemble(exercise_id, roles, name) for exercise_id, roles in found.items()}
+
+
+def _cell_roles(cell: dict, where: str) -> list[tuple[str, str]]:
+    """What a cell is for the convention: ``[(role, exercise_id)]``, empty for an ordinary cell."""
+    solution_id = exercise_id_of(cell)
+    has_markers = bool(solution_regions(cell["source"], where))
+    if solution_id is None:
+        if has_markers:
+            raise LabkitError(
+                f"{where} has solution markers but does not start with '# exercise NN.K'; "
+                "add that line or remove the markers"
+            )
+        bug_id = exercise_id_of(cell, PLANTED_BUG_HEADER)
+        if bug_id is not None:
+            return [("planted bug", bug_id)]
+        if cell["cell_type"] != "code":
+            return []
+        return [("check", match.group(1)) for match in CHECK_CALL.finditer(cell["source"])]
+    if not has_markers:
+        raise LabkitError(
+            f"{where} is exercise {solution_id} but has no '{BEGIN_SOLUTION}' / '{END_SOLUTION}' "
+            "around the answer, so the student edition would show it"
+        )
+    if cell.get("metadata", {}).get("nbgrader") != nbgrader_metadata(solution_id):
+        header = "# %% nbgrader=" + json.dumps(nbgrader_metadata(solution_id), sort_keys=True)
+        raise LabkitError(
+            f"{where} (exercise {solution_id}) needs nbgrader's cell metadata; "
+            f"start the cell in the .py file with: {header}"
+        )
+    return [("solution", solution_id)]
+
+
+def _check_prefix(exercise_id: str, name: str, where: str) -> None:
+    if not name.startswith(exercise_id.split(".")[0] + "_"):
+        raise LabkitError(
+            f"{where}: exercise {exercise_id} does not belong in {name}; an ID starts with its notebook's number"
+        )
+
+
+def _assemble(exercise_id: str, roles: dict[str, tuple[int, str]], name: str) -> ExerciseCells:
+    missing = [role for role in ("planted bug", "solution", "check") if role not in roles]
+    if missing:
+        raise LabkitError(
+            f"{name}: exercise {exercise_id} has no {' or '.join(missing)} cell; "
+            "see the Exercises section of notebooks/AUTHORING.md"
+        )
+    order = [roles[role][0] for role in ("planted bug", "solution", "check")]
+    if order != sorted(order):
+        raise LabkitError(f"{name}: exercise {exercise_id}'s cells must come in the order planted bug, exercise, check")
+    planted_bug, solution, check = (roles[role][1] for role in ("planted bug", "solution", "check"))
+    function = next(m.group(2) for m in CHECK_CALL.finditer(check) if m.group(1) == exercise_id)
+    definition = re.compile(rf"^def {function}\(", re.MULTILINE)
+    if not (definition.search(planted_bug) and definition.search(solution)):
+        raise LabkitError(
+            f"{name}: exercise {exercise_id} checks {function}, so its planted-bug and exercise cells "
+            f"must both define it with 'def {function}('"
+        )
+    return ExerciseCells(exercise_id, planted_bug, solution, check, function)
+
+
+def student_notebook(notebook: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
+    """A copy of a solution notebook with answers stubbed and outputs cleared (see 00_start_here)."""
+    exercises = find_exercises(notebook, name)
+    edition = copy.deepcopy(notebook)
+    for index, cell in enumerate(edition.cells):
+        if cell["cell_type"] != "code":
+            continue
+        cell["outputs"], cell["execution_count"] = [], None
+        solution_id = exercise_id_of(cell)
+        if solution_id in exercises:
+            cell["source"] = stub_solution(cell["source"], solution_id, f"{name} cell {index + 1}")
+    edition.metadata["labkit"] = dict(EDITION_METADATA)
+    # The jupytext pairing belongs to the source notebooks; in the edition it would write .py files next to it.
+    edition.metadata.get("jupytext", {}).pop("formats", None)
+    return edition
+
+
+def write_student_edition(source: Path, destination: Path, *, force: bool = False) -> list[Path]:
+    """Write the student edition of every ``source/NN_*.ipynb`` into ``destination``; return the paths.
+
+    Every notebook is transformed before anything is written, so a convention error leaves
+    ``destination`` untouched. Refuses to write into ``source``, to overwrite a file the generator
+    did not write, and (unless ``force``) to overwrite a learner's answers.
+    """
+    source, destination = Path(source), Path(destination)
+    paths = _source_notebooks(source, destination)
+    editions = {
+        destination / path.name: student_notebook(nbformat.read(path, as_version=4), path.name) for path in paths
+    }
+    for target, edition in editions.items():
+        _check_overwrite(target, edition, force)
+    destination.mkdir(parents=True, exist_ok=True)
+    for target, edition in editions.items():
+        nbformat.write(edition, target)
+    return list(editions)
+
+
+def _source_notebooks(source: Path, destination: Path) -> list[Path]:
+    if not source.is_dir():
+        raise LabkitError(f"no folder {source}: pass the folder of solution notebooks (default: notebooks)")
+    resolved_source, resolved_destination = source.resolve(), destination.resolve()
+    if resolved_destination == resolved_source or resolved_source in resolved_destination.parents:
+        raise LabkitError(
+            f"refusing to write the student edition into the source folder {source}; pick another DEST such as student"
+        )
+    paths = sorted(source.glob(NOTEBOOK_GLOB))
+    if not paths:
+        raise LabkitError(f"no notebooks named NN_name.ipynb in {source}")
+    return paths
+
+
+def _check_overwrite(target: Path, edition: nbformat.NotebookNode, force: bool) -> None:
+    if not target.exists():
+        return
+    existing = nbformat.read(target, as_version=4)
+    if existing.metadata.get("labkit") != EDITION_METADATA:
+        raise LabkitError(f"{target} exists and was not written by the student-edition generator; move it away first")
+    answered = _changed_exercises(existing, edition)
+    if answered and not force:
+        raise LabkitError(
+            f"{target} holds answers to exercise {', '.join(answered)}; move it away to keep them, "
+            "or pass --force to overwrite them"
+        )
+
+
+def _changed_exercises(existing: nbformat.NotebookNode, edition: nbformat.NotebookNode) -> list[str]:
+    """Exercises whose cell in an existing edition differs from the one about to replace it.
+
+    A difference is most likely a learner's answer, even a half-finished one; after the solution
+    notebook itself changed it is a false alarm, which --force settles.
+    """
+    fresh = _exercise_sources(edition)
+    return [eid for eid, source in _exercise_sources(existing).items() if fresh.get(eid) != source]
+
+
+def _exercise_sources(notebook: nbformat.NotebookNode) -> dict[str, str]:
+    sources = {}
+    for cell in notebook.cells:
+        exercise_id = exercise_id_of(cell)
+        if exercise_id is not None:
+            sources[exercise_id] = cell["source"]
+    return sources
+
+
+def main(argv: list[str]) -> int:
+    """`python -m labkit student [SRC] [DEST] [--force]`: write the student edition (`make student`)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m labkit student",
+        description="Write the student edition: solutions replaced by TODO stubs, outputs cleared.",
+    )
+    parser.add_argument("source", nargs="?", default="notebooks", help="solution notebooks (default: notebooks)")
+    parser.add_argument("destination", nargs="?", default="student", help="folder to write (default: student)")
+    parser.add_argument("--force", action="store_true", help="overwrite notebooks that hold a learner's answers")
+    args = parser.parse_args(argv)
+    written = write_student_edition(Path(args.source), Path(args.destination), force=args.force)
+    names = ", ".join(path.name for path in written)
+    print(f"wrote the student edition of {len(written)} notebook(s) to {args.destination}/: {names}")
+    return 0

@@ -1,0 +1,140 @@
+"""Every exercise, three ways: the solution passes its check, the student stub fails it as "not
+attempted yet", and the planted bug fails it. A check that passes on its planted bug fails here.
+
+Exercises are discovered in notebooks/NN_*.ipynb (the notebooks written so far) and in
+tests/fixtures/notebooks/, which holds the exercise cells before their real notebook exists.
+Each cell runs alone in a fresh copy of `grading.EXERCISE_NAMESPACE`, as AUTHORING.md promises.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import exercises, grading, student
+from labkit.errors import LabkitError
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+FIXTURES = ROOT / "tests" / "fixtures" / "notebooks"
+# The lead asked for each check to stay under a second, so a notebook's exercise cells stay snappy.
+CHECK_SECONDS = 1.0
+
+
+def notebook_paths(folder: Path) -> list[Path]:
+    return sorted(folder.glob(student.NOTEBOOK_GLOB))
+
+
+def exercises_in(path: Path) -> dict[str, student.ExerciseCells]:
+    return student.find_exercises(nbformat.read(path, as_version=4), path.name)
+
+
+def exercise_cases() -> list:
+    cases = []
+    for path in notebook_paths(NOTEBOOKS) + notebook_paths(FIXTURES):
+        label = path.relative_to(ROOT).with_suffix("").as_posix()
+        cases += [pytest.param(cells, id=f"{label}:{eid}") for eid, cells in exercises_in(path).items()]
+    return cases
+
+
+CASES = exercise_cases()
+
+
+def define(source: str, function: str):
+    """Run one exercise cell on its own and return the function it defines."""
+    namespace = dict(grading.EXERCISE_NAMESPACE)
+    exec(compile(source, "<exercise cell>", "exec"), namespace)
+    return namespace[function]
+
+
+def test_the_fixture_notebook_provides_exercises():
+    # Guards the parametrisation below: an empty CASES list would make every three-way test vacuous.
+    assert {case.values[0].exercise for case in CASES} >= {"00.1", "00.2"}
+
+
+@pytest.mark.parametrize("cells", CASES)
+def test_solution_passes_its_check_quickly_and_deterministically(cells):
+    answer = define(cells.solution, cells.function)
+    first = grading.run_check(cells.exercise, answer)
+    started = time.perf_counter()
+    # The second run is timed: the first may pay one-off imports (torch.optim takes ~1 s on first use).
+    second = grading.run_check(cells.exercise, answer)
+    elapsed = time.perf_counter() - started
+    assert first.passed, first.message
+    assert first.message.startswith(f"✓ Exercise {cells.exercise} passed: ")
+    assert second == first
+    assert elapsed < CHECK_SECONDS
+
+
+@pytest.mark.parametrize("cells", CASES)
+def test_student_stub_fails_with_the_not_attempted_message(cells):
+    stubbed = student.stub_solution(cells.solution, cells.exercise)
+    result = grading.run_check(cells.exercise, define(stubbed, cells.function))
+    assert not result.passed
+    assert result.message.startswith(f"✗ Exercise {cells.exercise} not yet: {cells.function} is not attempted yet")
+    assert f"Hint: replace the TODO lines in the cell marked '# exercise {cells.exercise}'" in result.message
+    assert "\n" not in result.message and "Traceback" not in result.message
+
+
+@pytest.mark.parametrize("cells", CASES)
+def test_planted_bug_fails_its_check_with_a_reason(cells):
+    answer = define(cells.planted_bug, cells.function)
+    result = grading.run_check(cells.exercise, answer)
+    assert not result.passed, f"the check for {cells.exercise} passes on its planted bug: {result.message}"
+    assert result.message.startswith(f"✗ Exercise {cells.exercise} not yet: ")
+    assert "not attempted" not in result.message
+    assert grading.run_check(cells.exercise, answer) == result
+
+
+def registered_notebooks() -> list[str]:
+    return sorted({spec.notebook for spec in exercises.registry().values()})
+
+
+@pytest.mark.parametrize("notebook", registered_notebooks())
+def test_each_written_notebook_holds_exactly_its_registered_exercises(notebook):
+    path = NOTEBOOKS / f"{notebook}.ipynb"
+    if not path.exists():
+        pytest.skip(f"notebooks/{notebook}.ipynb is not written yet (tests/fixtures/notebooks stands in)")
+    registered = {eid for eid, spec in exercises.registry().items() if spec.notebook == notebook}
+    assert set(exercises_in(path)) == registered
+
+
+@pytest.mark.parametrize("path", notebook_paths(FIXTURES), ids=lambda path: path.stem)
+def test_each_fixture_notebook_holds_exactly_its_registered_exercises(path):
+    registered = {eid for eid, spec in exercises.registry().items() if spec.notebook == path.stem}
+    assert set(exercises_in(path)) == registered
+
+
+@pytest.mark.parametrize("cells", CASES)
+def test_every_exercise_in_a_notebook_is_registered(cells):
+    assert cells.exercise in exercises.registry()
+
+
+def test_registry_is_in_course_order_and_names_notebooks():
+    ids = list(exercises.registry())
+    assert ids == sorted(ids, key=exercises.exercise_order)
+    assert exercises.exercise_order("00.2") < exercises.exercise_order("00.10")
+    assert exercises.registry()["00.1"].notebook == "00_start_here"
+
+
+@pytest.mark.parametrize(
+    ("exercise_id", "notebook", "problem"),
+    [
+        ("0.1", "00_start_here", "not of the form NN.K"),
+        ("00.1", "00_start_here.ipynb", "not a notebook name"),
+        ("01.1", "00_start_here", "starts with its notebook's number"),
+    ],
+)
+def test_exercise_registration_rejects_bad_ids(exercise_id, notebook, problem):
+    with pytest.raises(LabkitError, match=problem):
+        exercises.exercise(exercise_id, notebook=notebook, title="t", hint="h")
+
+
+def test_an_id_registered_by_another_module_is_refused(monkeypatch):
+    monkeypatch.setattr(exercises, "_REGISTRY", dict(exercises.registry()))
+    register = exercises.exercise("00.1", notebook="00_start_here", title="t", hint="h")
+    with pytest.raises(LabkitError, match="registered twice"):
+        register(lambda answer: "never")

@@ -1,0 +1,238 @@
+"""labkit.grading: friendly verdicts whatever the answer does, the score, the display payload and
+`python -m labkit progress` over a folder of executed notebooks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import IPython
+import IPython.display
+import nbformat
+import numpy as np
+import pytest
+import torch
+
+from labkit import grading
+from labkit.__main__ import main as labkit_main
+from labkit.errors import LabkitError
+
+
+def correct_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def per_call_grads(w, inputs):
+    return [torch.autograd.grad((w * x).sum(), w)[0] for x in inputs]
+
+
+@pytest.fixture
+def fresh_session(monkeypatch):
+    """A kernel session with no checks run yet."""
+    monkeypatch.setattr(grading, "_SESSION", {})
+
+
+def test_unknown_exercise_is_a_labkit_error_listing_the_known_ones():
+    with pytest.raises(LabkitError, match=r"no exercise '99\.9'.*00\.1, 00\.2"):
+        grading.run_check("99.9", correct_step)
+
+
+def test_known_exercises_lists_registered_ids_in_order():
+    assert grading.known_exercises()[:2] == ["00.1", "00.2"]
+
+
+def test_passing_something_that_is_not_a_function_gets_a_hint():
+    result = grading.run_check("00.1", 3.0)
+    assert not result.passed
+    assert "needs your function itself, but it got a float" in result.message
+    assert 'Hint: pass the name without parentheses, as in grading.check("00.1", my_function).' in result.message
+
+
+def test_an_answer_that_raises_gets_one_line_naming_the_error():
+    def crashing_step(model, optimizer, x, y):
+        raise ValueError("shapes do not match\n" + "detail " * 100)
+
+    message = grading.run_check("00.1", crashing_step).message
+    assert message.startswith("✗ Exercise 00.1 not yet: crashing_step raised ValueError: shapes do not match. Hint: ")
+    assert "\n" not in message and "detail" not in message
+
+
+def test_a_very_long_error_line_is_cut():
+    def verbose_step(model, optimizer, x, y):
+        raise RuntimeError("x" * 1000)
+
+    message = grading.run_check("00.1", verbose_step).message
+    assert "x" * (grading.MAX_ERROR_CHARS - 1) + "…" in message
+    assert "x" * grading.MAX_ERROR_CHARS not in message
+
+
+def test_a_result_the_check_cannot_inspect_is_reported_not_raised():
+    class UnmeasurableList(list):
+        def __len__(self):
+            raise RuntimeError("no length")
+
+    def odd_grads(w, inputs):
+        return UnmeasurableList()
+
+    message = grading.run_check("00.2", odd_grads).message
+    assert "checking what odd_grads returned failed with RuntimeError: no length" in message
+
+
+def test_a_wrong_return_type_names_what_to_return():
+    def tensor_step(model, optimizer, x, y):
+        return torch.tensor(correct_step(model, optimizer, x, y))
+
+    message = grading.run_check("00.1", tensor_step).message
+    assert "step 1 returned a Tensor, not the loss as a Python float" in message
+    assert "Hint: return loss.item()" in message
+
+
+def test_a_step_that_never_updates_is_told_to_call_step():
+    def no_update(model, optimizer, x, y):
+        return torch.nn.functional.mse_loss(model(x), y).item()
+
+    assert "the parameters did not change after step 1" in grading.run_check("00.1", no_update).message
+
+
+def test_a_wrong_update_gets_the_generic_difference():
+    def double_step(model, optimizer, x, y):
+        loss = correct_step(model, optimizer, x, y)
+        optimizer.step()
+        return loss
+
+    message = grading.run_check("00.1", double_step).message
+    assert "after step 1 the parameters differ by" in message
+
+
+def test_checks_leave_the_notebooks_random_state_and_grad_mode_alone():
+    torch.manual_seed(123)
+    np.random.seed(123)
+    expected_torch, expected_numpy = torch.rand(3), np.random.rand(3)
+    torch.manual_seed(123)
+    np.random.seed(123)
+    with torch.no_grad():
+        # The check enables grad itself, so a learner inside no_grad still gets a fair verdict.
+        assert grading.run_check("00.1", correct_step).passed
+        assert not torch.is_grad_enabled()
+    assert torch.equal(torch.rand(3), expected_torch)
+    assert np.array_equal(np.random.rand(3), expected_numpy)
+
+
+def test_check_prints_outside_ipython_and_score_counts_latest_results(fresh_session, capsys):
+    grading.check("00.1", correct_step)
+    grading.check("00.2", per_call_grads)
+    grading.check("00.2", lambda w, inputs: None)  # the latest verdict is the one that counts
+    grading.score()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("✓ Exercise 00.1 passed: ")
+    assert lines[1].startswith("✓ Exercise 00.2 passed: ")
+    assert lines[2].startswith("✗ Exercise 00.2 not yet: expected a list of 3 gradients")
+    assert lines[3] == "Score for this notebook: 1/2 exercises passed (not yet: 00.2)"
+
+
+def test_score_counts_unchecked_exercises_as_not_passed(fresh_session, capsys):
+    grading.check("00.2", per_call_grads)
+    grading.score()
+    assert capsys.readouterr().out.splitlines()[-1] == "Score for this notebook: 1/2 exercises passed (not yet: 00.1)"
+
+
+def test_score_before_any_check_says_what_to_do(fresh_session, capsys):
+    grading.score()
+    assert "no exercise checked yet" in capsys.readouterr().out
+
+
+def test_check_in_a_kernel_displays_the_grade_payload_and_text(fresh_session, monkeypatch):
+    shown = []
+    monkeypatch.setattr(IPython, "get_ipython", lambda: object())
+    monkeypatch.setattr(IPython.display, "display", lambda data, raw: shown.append((data, raw)))
+    grading.check("00.1", correct_step)
+    (data, raw), = shown
+    assert raw is True
+    payload = data[grading.GRADE_MIMETYPE]
+    assert payload == {"exercise": "00.1", "notebook": "00_start_here", "passed": True, "message": data["text/plain"]}
+
+
+# ---- progress ------------------------------------------------------------------------------------
+
+
+def graded_notebook(*results: grading.Result) -> nbformat.NotebookNode:
+    """An executed notebook whose check cells displayed these results, as a kernel stores them."""
+    cells = []
+    for result in results:
+        cell = nbformat.v4.new_code_cell(f'grading.check("{result.exercise}", answer)')
+        data = {grading.GRADE_MIMETYPE: asdict(result), "text/plain": result.message}
+        cell.outputs = [nbformat.v4.new_output("display_data", data=data)]
+        cells.append(cell)
+    return nbformat.v4.new_notebook(cells=cells)
+
+
+def verdict(exercise: str, passed: bool, notebook: str = "00_start_here") -> grading.Result:
+    return grading.Result(exercise, notebook, passed, f"{'✓' if passed else '✗'} Exercise {exercise}")
+
+
+def test_progress_classifies_passed_not_yet_and_not_run(tmp_path):
+    nbformat.write(graded_notebook(verdict("00.1", False)), tmp_path / "00_start_here.ipynb")
+    # A copy saved by the learner passes 00.1: a pass anywhere counts.
+    nbformat.write(graded_notebook(verdict("00.1", True)), tmp_path / "00_start_here-Copy1.ipynb")
+    rows = {row.exercise: row for row in grading.course_progress(tmp_path)}
+    assert rows["00.1"].status == grading.PASSED
+    assert rows["00.2"].status == grading.NOT_RUN
+    assert rows["00.2"].title == "one gradient per call"
+
+
+def test_progress_reads_the_latest_output_and_keeps_unknown_exercises(tmp_path):
+    nbformat.write(graded_notebook(verdict("00.2", True), verdict("00.2", False)), tmp_path / "00_start_here.ipynb")
+    nbformat.write(graded_notebook(verdict("42.1", True, "42_future")), tmp_path / "42_future.ipynb")
+    rows = {row.exercise: row for row in grading.course_progress(tmp_path)}
+    assert rows["00.2"].status == grading.NOT_YET
+    assert rows["00.2"].message == "✗ Exercise 00.2"
+    assert (rows["42.1"].notebook, rows["42.1"].status) == ("42_future", grading.PASSED)
+    assert list(rows)[-1] == "42.1"
+
+
+def test_progress_table_has_a_total_line(tmp_path):
+    nbformat.write(graded_notebook(verdict("00.1", True)), tmp_path / "00_start_here.ipynb")
+    table = grading.progress_table(grading.course_progress(tmp_path))
+    lines = table.splitlines()
+    assert lines[0].split() == ["notebook", "exercise", "status", "title"]
+    assert lines[1].split()[:3] == ["00_start_here", "00.1", "passed"]
+    assert lines[-1].startswith("Total: 1/")
+    assert lines[-1].endswith(f"exercises passed (0 not yet, {len(lines) - 3} not run)")
+
+
+def test_progress_cli_prints_json(tmp_path, capsys):
+    nbformat.write(graded_notebook(verdict("00.1", True), verdict("00.2", False)), tmp_path / "00_start_here.ipynb")
+    assert labkit_main(["progress", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    statuses = {row["exercise"]: row["status"] for row in report["exercises"]}
+    assert statuses["00.1"] == "passed" and statuses["00.2"] == "not yet"
+    assert report["total"]["passed"] == 1 and report["total"]["not_yet"] == 1
+    assert report["total"]["exercises"] == len(report["exercises"])
+
+
+def test_progress_cli_prints_the_table(tmp_path, capsys):
+    nbformat.write(graded_notebook(verdict("00.1", True)), tmp_path / "00_start_here.ipynb")
+    assert labkit_main(["progress", str(tmp_path)]) == 0
+    assert "Total: 1/" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("setup", "problem"),
+    [
+        (lambda folder: None, "no folder"),
+        (lambda folder: folder.mkdir(), "no notebooks in"),
+        (lambda folder: (folder.mkdir(), (folder / "00_x.ipynb").write_text("{not json")), "cannot read"),
+    ],
+    ids=["missing folder", "empty folder", "broken notebook"],
+)
+def test_progress_fails_clearly_on_a_bad_folder(tmp_path, capsys, setup, problem):
+    folder = tmp_path / "student"
+    setup(folder)
+    with pytest.raises(LabkitError, match=problem):
+        grading.course_progress(folder)
+    assert labkit_main(["progress", str(folder)]) == 2
+    assert problem in capsys.readouterr().err

@@ -1,0 +1,308 @@
+"""The student edition: no solution text survives, outputs are cleared, the parameters cell is kept,
+and every student notebook still runs top to bottom with its checks failing gracefully.
+
+The edition is generated from notebooks/ (whatever exists so far) and from the fixture notebooks in
+tests/fixtures/notebooks/, which stand in until the real notebooks are written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from labkit import grading, student
+from labkit.__main__ import main as labkit_main
+from labkit.errors import LabkitError
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [ROOT / "notebooks", ROOT / "tests" / "fixtures" / "notebooks"]
+CELL_TIMEOUT_S = 600
+
+BUG = '# planted bug for exercise 00.1\ndef f(x):\n    return x\n'
+SOLUTION = (
+    '# exercise 00.1\ndef f(x):\n    """Doc."""\n'
+    "    ### BEGIN SOLUTION\n    y = x + 1\n    return y\n    ### END SOLUTION\n"
+)
+CHECK = 'grading.check("00.1", f)'
+
+
+# ---- the stub ------------------------------------------------------------------------------------
+
+
+def test_stub_replaces_the_region_and_markers_keeping_indentation():
+    stubbed = student.stub_solution(SOLUTION, "00.1")
+    assert stubbed == (
+        '# exercise 00.1\ndef f(x):\n    """Doc."""\n'
+        "    # YOUR CODE HERE\n"
+        '    raise NotImplementedError("Exercise 00.1: replace this line with your answer")\n'
+    )
+
+
+def test_stub_handles_several_regions():
+    source = "### BEGIN SOLUTION\na = 1\n### END SOLUTION\nb = 2\n  ### BEGIN SOLUTION\n  c = 3\n  ### END SOLUTION"
+    lines = student.stub_solution(source, "00.3").split("\n")
+    assert lines == [
+        "# YOUR CODE HERE",
+        'raise NotImplementedError("Exercise 00.3: replace this line with your answer")',
+        "b = 2",
+        "  # YOUR CODE HERE",
+        '  raise NotImplementedError("Exercise 00.3: replace this line with your answer")',
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "problem"),
+    [
+        ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION", "opens a region inside another"),
+        ("x = 1\n### END SOLUTION", "has no '### BEGIN SOLUTION' above it"),
+        ("### BEGIN SOLUTION\nx = 1", "is never closed"),
+    ],
+    ids=["nested", "end without begin", "unclosed"],
+)
+def test_unbalanced_markers_are_a_labkit_error(source, problem):
+    with pytest.raises(LabkitError, match=problem):
+        student.stub_solution(source, "00.1", "00_x.ipynb cell 3")
+
+
+# ---- the convention ------------------------------------------------------------------------------
+
+
+def exercise_cell(source: str = SOLUTION, exercise_id: str = "00.1") -> nbformat.NotebookNode:
+    return nbformat.v4.new_code_cell(source, metadata={"nbgrader": student.nbgrader_metadata(exercise_id)})
+
+
+def notebook(*cells: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    return nbformat.v4.new_notebook(cells=list(cells))
+
+
+def code(source: str) -> nbformat.NotebookNode:
+    return nbformat.v4.new_code_cell(source)
+
+
+def test_find_exercises_returns_the_three_cells_and_the_function():
+    found = student.find_exercises(notebook(code(BUG), exercise_cell(), code(CHECK)), "00_x.ipynb")
+    assert found == {"00.1": student.ExerciseCells("00.1", BUG, SOLUTION, CHECK, "f")}
+
+
+@pytest.mark.parametrize(
+    ("cells", "problem"),
+    [
+        (
+            [code(BUG), code(SOLUTION.replace("# exercise 00.1\n", "")), code(CHECK)],
+            "does not start with '# exercise NN.K'",
+        ),
+        (
+            [code(BUG), nbformat.v4.new_markdown_cell("### BEGIN SOLUTION\n### END SOLUTION"), code(CHECK)],
+            "does not start with '# exercise NN.K'",
+        ),
+        ([code(BUG), exercise_cell("# exercise 00.1\ndef f(x):\n    return x"), code(CHECK)], "has no '### BEGIN"),
+        ([code(BUG), code(SOLUTION), code(CHECK)], "needs nbgrader's cell metadata"),
+        ([code(BUG), exercise_cell()], "has no check cell"),
+        ([exercise_cell(), code(CHECK)], "has no planted bug cell"),
+        ([code(BUG), code(CHECK), exercise_cell()], "must come in the order"),
+        ([code(BUG), exercise_cell(), exercise_cell(), code(CHECK)], "already has a solution cell"),
+        ([code(BUG), exercise_cell(), code(CHECK.replace(", f)", ", g)"))], "must both define it with 'def g\\('"),
+        (
+            [code(BUG.replace("00.1", "01.1")), exercise_cell(SOLUTION.replace("00.1", "01.1"), "01.1")],
+            "does not belong in 00_x.ipynb",
+        ),
+    ],
+    ids=[
+        "markers without id",
+        "markers in markdown",
+        "id without markers",
+        "no nbgrader metadata",
+        "no check",
+        "no planted bug",
+        "wrong order",
+        "duplicate",
+        "function mismatch",
+        "wrong notebook",
+    ],
+)
+def test_convention_errors_name_the_problem(cells, problem):
+    with pytest.raises(LabkitError, match=problem):
+        student.find_exercises(notebook(*cells), "00_x.ipynb")
+
+
+# ---- writing the edition -------------------------------------------------------------------------
+
+
+def solution_source(folder: Path) -> Path:
+    folder.mkdir()
+    parameters = nbformat.v4.new_code_cell("seed = 0", metadata={"tags": ["parameters"]})
+    ran = code("print(1)")
+    ran.outputs, ran.execution_count = [nbformat.v4.new_output("stream", text="1\n")], 1
+    nbformat.write(notebook(parameters, ran, code(BUG), exercise_cell(), code(CHECK)), folder / "00_x.ipynb")
+    return folder
+
+
+def test_edition_stubs_clears_and_keeps_everything_else(tmp_path):
+    source = solution_source(tmp_path / "notebooks")
+    (written,) = student.write_student_edition(source, tmp_path / "student")
+    original, edition = nbformat.read(source / "00_x.ipynb", 4), nbformat.read(written, 4)
+    assert written == tmp_path / "student" / "00_x.ipynb"
+    assert [cell.source for cell in edition.cells] == [
+        cell.source if index != 3 else student.stub_solution(cell.source, "00.1")
+        for index, cell in enumerate(original.cells)
+    ]
+    assert [cell.metadata for cell in edition.cells] == [cell.metadata for cell in original.cells]
+    assert all(cell.outputs == [] and cell.execution_count is None for cell in edition.cells)
+    assert edition.metadata["labkit"] == {"edition": "student"}
+
+
+@pytest.mark.parametrize("inside", [".", "student"], ids=["same folder", "subfolder"])
+def test_edition_refuses_to_write_into_the_source_folder(tmp_path, inside):
+    source = solution_source(tmp_path / "notebooks")
+    with pytest.raises(LabkitError, match="into the source folder"):
+        student.write_student_edition(source, source / inside)
+
+
+def test_edition_needs_a_source_with_notebooks(tmp_path):
+    with pytest.raises(LabkitError, match="no folder"):
+        student.write_student_edition(tmp_path / "missing", tmp_path / "student")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LabkitError, match="no notebooks named NN_name.ipynb"):
+        student.write_student_edition(tmp_path / "empty", tmp_path / "student")
+
+
+def test_a_convention_error_writes_nothing(tmp_path):
+    source = solution_source(tmp_path / "notebooks")
+    nbformat.write(notebook(code(BUG), exercise_cell()), source / "01_broken.ipynb")
+    with pytest.raises(LabkitError, match="does not belong in 01_broken.ipynb"):
+        student.write_student_edition(source, tmp_path / "student")
+    assert not (tmp_path / "student").exists()
+
+
+def test_rerun_overwrites_its_own_files_but_nothing_else(tmp_path):
+    source, destination = solution_source(tmp_path / "notebooks"), tmp_path / "student"
+    (destination).mkdir()
+    (destination / "notes.txt").write_text("mine")
+    student.write_student_edition(source, destination)
+    student.write_student_edition(source, destination)
+    assert (destination / "notes.txt").read_text() == "mine"
+    nbformat.write(notebook(code("hand made")), destination / "00_x.ipynb")
+    with pytest.raises(LabkitError, match="was not written by the student-edition generator"):
+        student.write_student_edition(source, destination)
+
+
+def test_rerun_keeps_a_learners_answers_unless_forced(tmp_path):
+    source, destination = solution_source(tmp_path / "notebooks"), tmp_path / "student"
+    (written,) = student.write_student_edition(source, destination)
+    edition = nbformat.read(written, 4)
+    edition.cells[3].source = "# exercise 00.1\ndef f(x):\n    return x + 1\n"
+    nbformat.write(edition, written)
+    with pytest.raises(LabkitError, match="holds answers to exercise 00.1"):
+        student.write_student_edition(source, destination)
+    assert "return x + 1" in nbformat.read(written, 4).cells[3].source
+    student.write_student_edition(source, destination, force=True)
+    assert "return x + 1" not in nbformat.read(written, 4).cells[3].source
+
+
+def test_cli_writes_the_edition_and_reports_errors(tmp_path, capsys):
+    source = solution_source(tmp_path / "notebooks")
+    assert labkit_main(["student", str(source), str(tmp_path / "student")]) == 0
+    assert "wrote the student edition of 1 notebook(s)" in capsys.readouterr().out
+    assert labkit_main(["student", str(source), str(source)]) == 2
+    assert "into the source folder" in capsys.readouterr().err
+
+
+# ---- the real edition (notebooks/ and the fixtures) ----------------------------------------------
+
+
+def secret_lines(original: nbformat.NotebookNode, name: str) -> set[str]:
+    """Solution lines that appear nowhere else in the source notebook, so must not be in the edition.
+
+    A line shared with the planted bug (``loss.backward()``) is no secret: the learner already sees it.
+    """
+    inside, outside = set(), set()
+    exercise_ids = student.find_exercises(original, name)
+    for cell in original.cells:
+        lines = cell.source.split("\n")
+        regions = student.solution_regions(cell.source, name) if student.exercise_id_of(cell) in exercise_ids else []
+        hidden = {index for begin, end in regions for index in range(begin + 1, end)}
+        for index, line in enumerate(lines):
+            (inside if index in hidden else outside).add(line.strip())
+    return {line for line in inside - outside if line}
+
+
+def leaked_lines(original: nbformat.NotebookNode, edition: nbformat.NotebookNode, name: str) -> set[str]:
+    edition_lines = {line.strip() for cell in edition.cells for line in cell.source.split("\n")}
+    return secret_lines(original, name) & edition_lines
+
+
+def source_notebooks() -> list:
+    return [
+        pytest.param(path, id=path.relative_to(ROOT).as_posix())
+        for folder in SOURCES
+        for path in sorted(folder.glob(student.NOTEBOOK_GLOB))
+    ]
+
+
+@pytest.fixture(scope="module")
+def editions(tmp_path_factory) -> dict[Path, Path]:
+    """Each source notebook mapped to its student edition, written once for this module."""
+    written = {}
+    for index, folder in enumerate(SOURCES):
+        if any(folder.glob(student.NOTEBOOK_GLOB)):
+            destination = tmp_path_factory.mktemp(f"student{index}")
+            for path in student.write_student_edition(folder, destination):
+                written[folder / path.name] = path
+    return written
+
+
+def test_the_leak_detector_catches_an_unstubbed_notebook():
+    path = SOURCES[1] / "00_start_here.ipynb"
+    original = nbformat.read(path, 4)
+    # A line that exists only in a solution, such as the call the planted bug forgets.
+    assert "optimizer.zero_grad()" in leaked_lines(original, original, path.name)
+
+
+@pytest.mark.parametrize("path", source_notebooks())
+def test_edition_has_no_solution_text_and_keeps_the_parameters(editions, path):
+    original, edition = nbformat.read(path, 4), nbformat.read(editions[path], 4)
+    # With no line unique to a solution the leak check below would pass vacuously; it also means the
+    # notebook has no exercise, or shows every answer line elsewhere (in markdown, say).
+    assert secret_lines(original, path.name), f"{path.name}: no solution line is unique to a solution region"
+    assert leaked_lines(original, edition, path.name) == set()
+    assert not any(student.BEGIN_SOLUTION in cell.source for cell in edition.cells)
+    code_cells = [cell for cell in edition.cells if cell.cell_type == "code"]
+    assert all(cell.outputs == [] and cell.execution_count is None for cell in code_cells)
+    assert parameters_cell(edition).source == parameters_cell(original).source
+
+
+def parameters_cell(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    (cell,) = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
+    return cell
+
+
+def cell_text(cell: nbformat.NotebookNode) -> str:
+    texts = [output.get("text", "") for output in cell.outputs if output.output_type == "stream"]
+    texts += [output.data.get("text/plain", "") for output in cell.outputs if "data" in output]
+    return "".join(texts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", source_notebooks())
+def test_edition_runs_top_to_bottom_with_checks_failing_gracefully(editions, path):
+    target = editions[path]
+    executed = nbformat.read(target, 4)
+    NotebookClient(
+        executed, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(target.parent)}}
+    ).execute()
+    nbformat.write(executed, target)
+    errors = [output for cell in executed.cells for output in cell.get("outputs", []) if output.output_type == "error"]
+    assert errors == []
+    exercise_ids = list(student.find_exercises(nbformat.read(path, 4), path.name))
+    for cell in executed.cells:
+        checked = [m.group(1) for m in student.CHECK_CALL.finditer(cell.source)] if cell.cell_type == "code" else []
+        for exercise_id in checked:
+            assert f"✗ Exercise {exercise_id} not yet: " in cell_text(cell)
+            assert "is not attempted yet" in cell_text(cell)
+    score = next(cell for cell in executed.cells if cell.source.strip() == "grading.score()")
+    assert f"0/{len(exercise_ids)} exercises passed" in cell_text(score)
+    rows = {row.exercise: row.status for row in grading.course_progress(target.parent)}
+    assert {eid: rows[eid] for eid in exercise_ids} == dict.fromkeys(exercise_ids, grading.NOT_YET)
