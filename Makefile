@@ -43,12 +43,8 @@ test-unit: $(STAMP) ## only the unit tests
 test-notebooks: $(STAMP) ## only nbval over the notebooks (NB=05 for one)
 	$(PY) -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
 
-test-gpu: $(STAMP) ## GPU-marked tests and the notebooks' GPU sections (skips with the reason on a CPU machine)
-	@if $(PY) -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then \
-		$(PY) -m pytest tests -q -m gpu && $(PY) -m pytest notebooks -q $(NBVAL); \
-	else \
-		echo "test-gpu skipped: needs a CUDA device, and torch.cuda.is_available() is False on this machine"; \
-	fi
+test-gpu: ## GPU-marked tests, nbval over the notebooks and the probe benchmark on a CUDA machine (skips with the reason elsewhere)
+	bash .ci/gpu-runner
 
 student: $(STAMP) ## write the student edition into student/ (solutions removed, outputs cleared)
 	$(PY) -m labkit student notebooks student

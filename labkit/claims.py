@@ -97,17 +97,17 @@ def validate(case_id: str, verdict: str, evidence: str) -> None:
 _session: list[Verdict] = []
 
 
-def check(case_id: str, verdict: str, evidence: str, claim: str | None = None) -> Verdict:
+def check(case_id: str, verdict: str, evidence: str, claim: str | None = None) -> None:
     """Record the verdict the measurement supports for one case, and show it.
 
     `claim` defaults to the catalogue's wording. `evidence` must hold the numbers for `holds`,
     `does-not-hold` and `partly`, and the reason for `needs-gpu` and `untestable`.
+    `recorded()` returns what was recorded.
     """
     validate(case_id, verdict, evidence)
     record = Verdict(case_id, verdict, evidence.strip(), claim or case(case_id).claim)
     _session[:] = [v for v in _session if v.id != case_id] + [record]
     _emit(f"[{case_id}] {verdict}: {record.evidence}", CLAIM_MIME, asdict(record))
-    return record
 
 
 def metric(name: str, value: float | int | str | bool) -> None:
@@ -129,15 +129,17 @@ def reset() -> None:
     _session.clear()
 
 
-def table(verdicts: list[Verdict] | None = None, width: int = 100) -> str:
-    """Print and return the *Claims checked* table: ID, claim, verdict, evidence."""
+def table(verdicts: list[Verdict] | None = None, width: int = 100) -> None:
+    """Print the *Claims checked* table: ID, verdict, claim, evidence (every notebook ends with it)."""
+    print(format_table(verdicts, width))
+
+
+def format_table(verdicts: list[Verdict] | None = None, width: int = 100) -> str:
+    """The *Claims checked* table as text, for this session's verdicts or the ones given."""
     rows = recorded() if verdicts is None else verdicts
     if not rows:
-        text = "No claims checked yet."
-    else:
-        text = "\n\n".join(_format_row(v, width) for v in rows)
-    print(text)
-    return text
+        return "No claims checked yet."
+    return "\n\n".join(_format_row(v, width) for v in rows)
 
 
 def _format_row(v: Verdict, width: int) -> str:

@@ -29,7 +29,7 @@ from labkit.errors import LabkitError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-KEPT_CELL_METADATA = ("tags",)
+KEPT_CELL_METADATA = ("tags", "nbgrader")
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -146,7 +146,7 @@ class RunResult:
 
 
 def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict | None = None,
-                 timeout: float = 900, cell_timeout: float = 600) -> RunResult:
+                 timeout: float = 900, cell_timeout: float = 600, threads: str | None = None) -> RunResult:
     """Execute one notebook with papermill into `out_dir` (its working folder too).
 
     Papermill runs in a child process group with a wall-clock limit, so a hung or killed kernel
@@ -159,14 +159,24 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict | None 
     out_dir.mkdir(parents=True, exist_ok=True)
     output = out_dir / path.name
     started = time.perf_counter()
-    error = _papermill(path, output, out_dir, params, timeout, cell_timeout)
+    error = _papermill(path, output, out_dir, params, timeout, cell_timeout, threads)
     seconds = time.perf_counter() - started
     result = RunResult(path.stem, "failed" if error else "ok", round(seconds, 1), str(output), params, error)
     if output.exists():
-        result.claims = [r for r in _safe_records(output)]
+        result.claims = _safe_records(output)
         result.metrics = {m["name"]: m["value"] for m in stored_records(output, METRIC_MIME)}
+        _stamp_fingerprint(output, out_dir / f"{path.stem}.fingerprint.json")
     (out_dir / f"{path.stem}.result.json").write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+def _stamp_fingerprint(output: Path, fingerprint_file: Path) -> None:
+    """The machine that ran the notebook, in its metadata and beside it."""
+    from labkit.probes import fingerprint, stamp_notebook
+
+    machine = fingerprint()
+    stamp_notebook(output, machine)
+    fingerprint_file.write_text(json.dumps(machine, indent=2, default=str))
 
 
 def _safe_records(output: Path) -> list[dict]:
@@ -175,7 +185,8 @@ def _safe_records(output: Path) -> list[dict]:
     return [{k: r.get(k) for k in ("id", "verdict", "evidence")} for r in stored_records(output)]
 
 
-def _papermill(path: Path, output: Path, cwd: Path, params: dict, timeout: float, cell_timeout: float) -> str:
+def _papermill(path: Path, output: Path, cwd: Path, params: dict, timeout: float, cell_timeout: float,
+               threads: str | None) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(params, handle)
     command = [sys.executable, "-m", "papermill", str(path), str(output), "-f", handle.name,
@@ -184,7 +195,9 @@ def _papermill(path: Path, output: Path, cwd: Path, params: dict, timeout: float
     log = cwd / f"{path.stem}.log"
     try:
         with log.open("w") as log_file:
-            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            env = dict(os.environ, OMP_NUM_THREADS=threads) if threads else None
+            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
             try:
                 process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -322,7 +335,7 @@ def _pick_source(notebook: Path, script: Path, prefer: str | None):
 
 def _write_script(nb, script: Path, jupytext) -> None:
     bare = nbformat_copy_without_outputs(nb)
-    bare.metadata["jupytext"] = {"notebook_metadata_filter": "-all", "cell_metadata_filter": "tags,-all"}
+    bare.metadata["jupytext"] = {"notebook_metadata_filter": "-all", "cell_metadata_filter": "tags,nbgrader,-all"}
     jupytext.write(bare, script, fmt="py:percent")
 
 
@@ -344,8 +357,15 @@ def workbook_notebooks(folder: str | Path = "notebooks") -> list[Path]:
     return found
 
 
-def _select(names: list[str], folder: str = "notebooks") -> list[Path]:
-    every = workbook_notebooks(folder)
+def _select(names: list[str], folder: str = "notebooks", with_scripts: bool = False) -> list[Path]:
+    """The notebooks whose stem is or starts with one of `names` (all when empty).
+
+    `with_scripts` also counts a script in `py/` whose notebook does not exist yet.
+    """
+    scripts = {Path(folder) / f"{p.stem}.ipynb" for p in Path(folder).glob("py/[0-9][0-9]_*.py")} if with_scripts else set()
+    every = sorted(set(Path(folder).glob("[0-9][0-9]_*.ipynb")) | scripts)
+    if not every:
+        raise LabkitError(f"no notebooks named NN_name.ipynb in {folder}")
     if not names:
         return every
     chosen = [nb for nb in every if any(nb.stem == n or nb.stem.startswith(n) for n in names)]
@@ -360,7 +380,7 @@ def execute_main(argv: list[str]) -> int:
     parser.add_argument("names", nargs="*", help="notebook stems or number prefixes (default: all)")
     parser.add_argument("--prefer", choices=("py", "ipynb"), help="which side holds the edits when they disagree")
     args = parser.parse_args(argv)
-    for notebook in _select(args.names):
+    for notebook in _select(args.names, with_scripts=True):
         seconds = execute_in_place(notebook, args.prefer)
         print(f"{notebook.name}: executed in {seconds:.1f} s, outputs stored, pair synced")
     return 0
@@ -423,21 +443,134 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table border='1' cellpadding='4'><tr>{head}</tr>{body}</table>"
 
 
+# ---- sweeps ---------------------------------------------------------------------------------
+
+def parse_sweep(specs: list[str]) -> dict[str, list]:
+    """`["batch_size=2,8,32", "seed=0,1,2"]` -> {"batch_size": [2, 8, 32], "seed": [0, 1, 2]}."""
+    grid = {}
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        if not sep or not name or not values:
+            raise LabkitError(f"--sweep takes NAME=V1,V2,...; got {spec!r}")
+        grid[name] = [parse_value(v) for v in values.split(",")]
+    return grid
+
+
+def grid_points(grid: dict[str, list]) -> list[dict]:
+    """Every combination of the swept values, first name varying slowest."""
+    points = [{}]
+    for name, values in grid.items():
+        points = [dict(point, **{name: value}) for point in points for value in values]
+    return points
+
+
+def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, fixed: dict | None = None,
+          timeout: float = 900, workers: int | None = None) -> list[RunResult]:
+    """Run the notebook at every grid point (in parallel where cores allow), one folder per point."""
+    fixed = fixed or {}
+    points = [dict(fixed, **point) for point in grid_points(grid)]
+    for point in points:
+        validate_parameters(notebook, point)
+    cores = os.cpu_count() or 1
+    workers = max(1, min(len(points), workers or cores // 2 or 1))
+    threads = str(max(1, cores // workers))
+
+    def run(point):
+        folder = Path(out_dir) / ",".join(f"{k}={point[k]}" for k in grid)
+        return run_notebook(notebook, folder, point, timeout=timeout, threads=threads)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(run, points))
+
+
+def sweep_table(results: list[RunResult], swept: list[str]) -> list[dict]:
+    """One row per run: the swept parameters, status, seconds, then every recorded metric."""
+    return [dict({k: r.parameters.get(k) for k in swept}, status=r.status, seconds=r.seconds, **r.metrics)
+            for r in results]
+
+
+def write_sweep(table: list[dict], out_dir: Path) -> list[Path]:
+    """sweep.csv, sweep.json and one plot per metric against the first swept parameter."""
+    import csv
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(k for row in table for k in row))
+    with (out_dir / "sweep.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, columns)
+        writer.writeheader()
+        writer.writerows(table)
+    (out_dir / "sweep.json").write_text(json.dumps(table, indent=2))
+    written = [out_dir / "sweep.csv", out_dir / "sweep.json"]
+    x = columns[0]
+    metrics = [c for c in columns[columns.index("seconds") + 1:] if _numeric(table, c)]
+    for metric_name in metrics:
+        figure = plot_sweep(table, x, metric_name)
+        figure.savefig(out_dir / f"sweep_{metric_name}.png", dpi=100, bbox_inches="tight")
+        written.append(out_dir / f"sweep_{metric_name}.png")
+    return written
+
+
+def _numeric(table: list[dict], column: str) -> bool:
+    values = [row.get(column) for row in table if row.get(column) is not None]
+    return bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def plot_sweep(table: list[dict], x: str, metric_name: str):
+    """Each run as a dot, and the mean over the other swept parameters (e.g. seeds) as a line with its range."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in table if isinstance(r.get(metric_name), (int, float))]
+    xs = sorted({r[x] for r in rows})
+    groups = [[r[metric_name] for r in rows if r[x] == value] for value in xs]
+    means = [sum(g) / len(g) for g in groups]
+    figure, axes = plt.subplots(figsize=(5, 3.5))
+    axes.scatter([r[x] for r in rows], [r[metric_name] for r in rows], s=14, alpha=0.6, label="one run")
+    axes.plot(xs, means, marker="o", label="mean")
+    axes.fill_between(xs, [min(g) for g in groups], [max(g) for g in groups], alpha=0.2, label="range")
+    if all(isinstance(v, (int, float)) and v > 0 for v in xs) and max(xs) / min(xs) >= 8:
+        axes.set_xscale("log", base=2)
+    axes.set(xlabel=x, ylabel=metric_name, title=f"{metric_name} against {x}")
+    axes.legend()
+    plt.close(figure)
+    return figure
+
+
 def repro_main(argv: list[str]) -> int:
-    """`python -m labkit repro NOTEBOOK -p NAME VALUE ...`: one validated rerun under runs/."""
+    """`python -m labkit repro NOTEBOOK [-p NAME VALUE ...] [--sweep NAME=V1,V2 ...]`: validated reruns under runs/."""
     parser = argparse.ArgumentParser(prog="python -m labkit repro", description=repro_main.__doc__)
     parser.add_argument("notebook", help="a notebook path or stem, e.g. 00_start_here")
     parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
-    parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
+    parser.add_argument("--sweep", action="append", default=[], metavar="NAME=V1,V2,...",
+                        help="run the grid of every --sweep (e.g. --sweep batch_size=2,8,32 --sweep seed=0,1,2)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds for each run")
+    parser.add_argument("--workers", type=int, help="parallel runs in a sweep (default: half the cores)")
+    parser.add_argument("--out", help="output folder (default: runs/NOTEBOOK/TIMESTAMP)")
     args = parser.parse_args(argv)
     notebook = _resolve_notebook(args.notebook)
     params = validate_parameters(notebook, {k: parse_value(v) for k, v in args.parameter})
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    result = run_notebook(notebook, Path("runs") / notebook.stem / stamp, params, timeout=args.timeout)
+    out = Path(args.out) if args.out else Path("runs") / notebook.stem / stamp
+    if args.sweep:
+        return _report_sweep(notebook, parse_sweep(args.sweep), params, out, args)
+    result = run_notebook(notebook, out, params, timeout=args.timeout)
     print(f"{result.notebook}: {result.status} in {result.seconds:.1f} s -> {result.output}")
     if result.error:
         print(result.error, file=sys.stderr)
     return 0 if result.status == "ok" else 1
+
+
+def _report_sweep(notebook: Path, grid: dict, fixed: dict, out: Path, args) -> int:
+    results = sweep(notebook, grid, out, fixed, timeout=args.timeout, workers=args.workers)
+    table = sweep_table(results, list(grid))
+    written = write_sweep(table, out)
+    print(_md_table(list(table[0]), [list(row.values()) for row in table]))
+    for result in results:
+        if result.error:
+            print(result.error, file=sys.stderr)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0 if all(r.status == "ok" for r in results) else 1
 
 
 def _resolve_notebook(name: str) -> Path:

@@ -53,8 +53,10 @@ def test_rechecking_an_id_replaces_its_verdict_and_table_lists_it(capsys):
     claims.check("Z1", verdict="partly", evidence="3 of 4 cases")
     claims.check("Z1", verdict="holds", evidence="4 of 4 cases")
     assert [v.verdict for v in claims.recorded()] == ["holds"]
-    text = claims.table()
+    claims.table()
+    text = capsys.readouterr().out
     assert "Z1" in text and "HOLDS" in text and "4 of 4 cases" in text
+    assert claims.format_table([]) == "No claims checked yet."
 
 
 def test_metric_names_must_be_identifiers():

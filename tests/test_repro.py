@@ -64,6 +64,9 @@ def test_a_run_writes_only_under_its_folder_with_the_given_parameters(make_noteb
     assert (tmp_path / "run" / "side_effect.txt").read_text() == "11"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.ipynb", "run"]
     assert json.loads((tmp_path / "run" / "p.result.json").read_text())["parameters"] == {"steps": 11}
+    machine = json.loads((tmp_path / "run" / "p.fingerprint.json").read_text())
+    stamped = json.loads((tmp_path / "run" / "p.ipynb").read_text())["metadata"]["labkit"]["fingerprint"]
+    assert machine["torch"] == torch.__version__ and stamped["torch"] == torch.__version__
 
 
 def test_a_raising_cell_is_named_in_the_error(make_notebook, tmp_path):
@@ -97,3 +100,30 @@ def test_summary_lists_runs_and_claims(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "1/2 ok" in md and "| Z1 | 00_a | holds | 0 diff |" in md and "cell 3 raised ValueError" in md
     assert "<td>Z1</td>" in (tmp_path / "summary.html").read_text()
+
+
+def test_sweep_arguments_parse_into_a_grid():
+    grid = repro.parse_sweep(["steps=2,8", "bug=true,false"])
+    assert grid == {"steps": [2, 8], "bug": [True, False]}
+    assert repro.grid_points(grid) == [{"steps": 2, "bug": True}, {"steps": 2, "bug": False},
+                                       {"steps": 8, "bug": True}, {"steps": 8, "bug": False}]
+    with pytest.raises(LabkitError, match="NAME=V1,V2"):
+        repro.parse_sweep(["steps"])
+
+
+def test_a_two_by_two_sweep_makes_a_four_row_table_and_a_plot(make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, "from labkit import claims\nclaims.metric('score', steps * 10 + seed)")
+    out = tmp_path / "sweep"
+    results = repro.sweep(nb, {"steps": [1, 2], "seed": [0, 5]}, out, timeout=120, workers=2)
+    table = repro.sweep_table(results, ["steps", "seed"])
+    assert [(row["steps"], row["seed"], row["score"]) for row in table] == [(1, 0, 10), (1, 5, 15), (2, 0, 20), (2, 5, 25)]
+    written = repro.write_sweep(table, out)
+    assert {p.name for p in written} == {"sweep.csv", "sweep.json", "sweep_score.png"}
+    assert len((out / "sweep.csv").read_text().splitlines()) == 5
+
+
+def test_a_sweep_validates_every_point_before_running(make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, "print(1)")
+    with pytest.raises(LabkitError, match="no parameter batch"):
+        repro.sweep(nb, {"batch": [1, 2]}, tmp_path / "sweep")
+    assert not (tmp_path / "sweep").exists()

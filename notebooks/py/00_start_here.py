@@ -1,0 +1,293 @@
+# %% [markdown]
+# # 00 · Start here: how Gradient Lab works
+#
+# Gradient Lab is a workbook of PyTorch training failures. Two blog articles about debugging
+# gradients gave us a list of cases and claims (`python -m labkit claims --catalogue` lists them).
+# **A claim is not a fact**: several of them are wrong. Every notebook takes a family of cases,
+# reproduces each one, measures what really happens, records the verdict the data supports, and
+# proves the fix. Then you fix a planted bug yourself, and `labkit` grades your answer.
+#
+# This notebook shows the whole chain on one tiny claim, so that every later notebook reads the same way.
+#
+# | you are | start with |
+# | --- | --- |
+# | a learner working alone | run this notebook top to bottom, then do its two exercises |
+# | an instructor | `make student` writes the edition without solutions; the README has workshop tracks |
+# | an engineer rerunning one failure | the parameters cell below, and "Run it your way" near the end |
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit import GradTracer, claims, compare_grads, datasets, grading, plot_grad_stat, repro
+from labkit.probes import fingerprint, format_fingerprint
+from labkit.progress import track
+
+# %% [markdown]
+# ## Parameters
+# Every notebook has one cell tagged `parameters` (papermill replaces it when you rerun with other
+# values) and nothing else in it. `device="auto"` takes a CUDA GPU when there is one. `bug=True`
+# runs the reproduction with the planted bug; `bug=False` runs it without.
+
+# %% tags=["parameters"]
+seed = 0
+device = "auto"
+features = 8
+samples = 64
+steps = 30
+lr = 0.05
+bug = True
+
+# %%
+dev = repro.setup(seed=seed, device=device)
+
+# %% [markdown]
+# ## Your machine
+# The fingerprint says what produced these outputs. It differs from machine to machine, so nbval
+# ignores this cell's output (the `NBVAL_IGNORE_OUTPUT` comment), and nothing after it prints
+# anything that depends on the device.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(format_fingerprint(fingerprint()))
+
+# %% [markdown]
+# ## The skeleton every notebook follows
+# 1. **Parameters**: seed, device, sizes, steps, and a `bug` switch where it fits.
+# 2. For each case: **the claim** as the article makes it, with its ID; **a reproduction**;
+#    **the measurement**, printed (and plotted where a picture helps); **the verdict**, recorded with
+#    `claims.check(ID, verdict=..., evidence=...)` where the evidence carries the numbers;
+#    **the fix, proven** by the same measurement.
+# 3. **Exercises**: a planted bug, your fix, and a `grading.check` that tests what your code does.
+# 4. **Claims checked**: the table of every verdict in the notebook.
+# 5. **Summary**.
+#
+# Verdicts are one of `holds`, `does-not-hold`, `partly`, `needs-gpu` (the case needs a GPU and
+# this machine has none; the GPU code path runs on the GPU runner) or `untestable`.
+
+# %% [markdown]
+# ## Case Z1: does `.grad` add up across backward passes?
+# **The claim**, in the catalogue's words:
+
+# %%
+print(claims.case("Z1").claim)
+
+# %% [markdown]
+# **Reproduce.** One leaf tensor `w`, two different losses, two backward passes, and nothing in between.
+
+# %%
+w = torch.randn(features, device=dev, requires_grad=True)
+x1, x2 = torch.randn(features, device=dev), torch.randn(features, device=dev)
+(w * x1).sum().backward()
+after_one = w.grad.clone()
+(w * x2).sum().backward()
+after_two = w.grad.clone()
+
+# %% [markdown]
+# **Measure.** The reference asks autograd for each gradient separately with `torch.autograd.grad`,
+# which never touches `.grad`. `compare_grads` prints one line per tensor: exact equality, `allclose`,
+# and the largest absolute and relative difference.
+
+# %%
+(g1,) = torch.autograd.grad((w * x1).sum(), w)
+(g2,) = torch.autograd.grad((w * x2).sum(), w)
+sum_report = compare_grads({"w.grad after two": after_two}, {"w.grad after two": g1 + g2})
+last_only = compare_grads({"w.grad after two": after_two}, {"w.grad after two": g2})
+print("against g1 + g2:\n" + str(sum_report))
+print("against g2 alone:\n" + str(last_only))
+
+# %% [markdown]
+# **Verdict**, from those numbers:
+
+# %%
+worst_sum_diff = sum_report.rows[0].max_abs_diff
+worst_last_diff = last_only.rows[0].max_abs_diff
+holds = sum_report.all_exact and not last_only.all_close
+claims.check(
+    "Z1",
+    verdict="holds" if holds else "does-not-hold",
+    evidence=(
+        f"after two backward passes w.grad equals g1 + g2 exactly ({features} values, max |diff| "
+        f"{worst_sum_diff:.1g}) and differs from the second gradient alone by up to {worst_last_diff:.2f}"
+    ),
+)
+
+
+# %% [markdown]
+# ## Why it matters: a training loop that never clears `.grad`
+# If `.grad` adds up, a loop that forgets `optimizer.zero_grad()` steps with the sum of every
+# gradient so far. `GradTracer` watches each parameter's gradient through PyTorch's
+# `register_post_accumulate_grad_hook`; below it traces a linear regression trained with plain SGD,
+# with the bug as the parameters cell says.
+
+# %%
+def train(forget_zero_grad, label):
+    """Full-batch SGD; returns the loss per step and the tracer's gradient history."""
+    torch.manual_seed(seed)
+    model = nn.Linear(features, 1).to(dev, torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = (t.to(dev) for t in datasets.regression(samples, features, seed=seed, dtype=torch.float64))
+    losses = []
+    with GradTracer(model, optimizer) as tracer:
+        for _ in track(range(steps), label, updates=2):
+            if not forget_zero_grad:
+                optimizer.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses, tracer.history()
+
+
+losses, history = train(forget_zero_grad=bug, label="reproduction" if bug else "reproduction (bug off)")
+weight_norms = [r["norm"] for r in history if r["param"] == "weight"]
+print(f"bug={bug}: loss {losses[0]:.3g} -> {losses[-1]:.3g}; weight.grad norm {weight_norms[0]:.3g} -> {weight_norms[-1]:.3g}")
+claims.metric("final_loss", round(losses[-1], 4))
+
+# %% [markdown]
+# **Measure.** The gradient the optimizer applied, per parameter and step, on a log scale:
+
+# %%
+figure = plot_grad_stat(history, "norm")
+figure.axes[0].set_title(f"gradient norm per step (bug={bug})")
+plt.show()
+print(f"largest weight.grad norm: {max(weight_norms):.3g} at step {weight_norms.index(max(weight_norms))}")
+
+# %% [markdown]
+# **The fix, proven.** The same loop with `optimizer.zero_grad()` at the top of each step:
+
+# %%
+fixed_losses, fixed_history = train(forget_zero_grad=False, label="fixed loop")
+fixed_norms = [r["norm"] for r in fixed_history if r["param"] == "weight"]
+print(f"fixed: loss {fixed_losses[0]:.3g} -> {fixed_losses[-1]:.3g}; weight.grad norm {fixed_norms[0]:.3g} -> {fixed_norms[-1]:.3g}")
+print("the fixed loop ends with a lower loss:", fixed_losses[-1] < losses[-1] or not bug)
+
+
+# %% [markdown]
+# ## Run it your way
+# Every notebook reruns with other parameters. The validated way checks names and types against the
+# parameters cell before running, and writes the executed notebook and its results under
+# `runs/00_start_here/<time>/`:
+#
+# ```
+# make repro NB=00_start_here P="-p bug False -p steps 60"
+# python -m labkit repro 00_start_here -p lr 0.01 --sweep seed=0,1,2
+# ```
+#
+# Plain papermill works too: `papermill notebooks/00_start_here.ipynb out.ipynb -p bug False`.
+
+# %% [markdown]
+# ## Exercises
+# Each exercise shows a planted bug and its symptom; you rewrite the function in the cell marked
+# `# exercise`, and the check after it tests what your function does on its own data.
+#
+# ### Exercise 00.1: one correct SGD step
+# `one_training_step(model, optimizer, x, y)` should take one plain SGD step on
+# `F.mse_loss(model(x), y)` and return that loss, measured before the step, as a Python float.
+# The version below looks right and runs without complaint, but it trusts `.grad` to start empty
+# on every step, and claim Z1 says it does not.
+
+# %%
+# planted bug for exercise 00.1
+def one_training_step(model, optimizer, x, y):
+    """One SGD step on F.mse_loss(model(x), y); returns the loss before the step as a float."""
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+# %%
+# The symptom: on the same batch, the gradient the optimizer applies grows with every step.
+torch.manual_seed(seed)
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(16, 4), torch.randn(16, 1)
+for step in range(1, 4):
+    one_training_step(model, optimizer, x, y)
+    print(f"step {step}: weight.grad norm = {model.weight.grad.norm():.3f}")
+
+
+# %% [markdown]
+# Fix `one_training_step` below so that each step uses only its own batch's gradient, then run the
+# check. It builds its own model, optimizer and batches, and leaves a stale gradient in `.grad`
+# before the first step.
+
+# %% nbgrader={"grade": false, "grade_id": "exercise_00_1", "locked": false, "schema_version": 3, "solution": true}
+# exercise 00.1
+def one_training_step(model, optimizer, x, y):
+    """One SGD step on F.mse_loss(model(x), y); returns the loss before the step as a float."""
+    ### BEGIN SOLUTION
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+    ### END SOLUTION
+
+
+# %%
+grading.check("00.1", one_training_step)
+
+
+# %% [markdown]
+# ### Exercise 00.2: one gradient per call
+# `grad_of_each_call(w, inputs)` should return, for each `x` in `inputs`, the gradient of
+# `(w * x).sum()` with respect to the one leaf tensor `w`, as if that call were the only one.
+
+# %%
+# planted bug for exercise 00.2
+def grad_of_each_call(w, inputs):
+    """The gradient of (w * x).sum() with respect to w, separately for each x in inputs."""
+    grads = []
+    for x in inputs:
+        (w * x).sum().backward()
+        grads.append(w.grad)
+    return grads
+
+
+# %%
+# The symptom: two different inputs, yet both "gradients" are the same tensor holding their sum.
+w = torch.ones(3, requires_grad=True)
+inputs = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 2.0, 0.0])]
+grads = grad_of_each_call(w, inputs)
+print(grads)
+print("the same tensor twice:", grads[0] is grads[1])
+
+
+# %% nbgrader={"grade": false, "grade_id": "exercise_00_2", "locked": false, "schema_version": 3, "solution": true}
+# exercise 00.2
+def grad_of_each_call(w, inputs):
+    """The gradient of (w * x).sum() with respect to w, separately for each x in inputs."""
+    ### BEGIN SOLUTION
+    grads = []
+    for x in inputs:
+        (gradient,) = torch.autograd.grad((w * x).sum(), w)
+        grads.append(gradient)
+    return grads
+    ### END SOLUTION
+
+
+# %%
+grading.check("00.2", grad_of_each_call)
+
+# %%
+grading.score()
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
+# %% [markdown]
+# ## Summary
+# - `.grad` is an accumulator: every backward pass adds into it (Z1, measured above), so a training
+#   step clears it (`optimizer.zero_grad()`) before its backward pass, or it steps with stale sums.
+# - Every notebook follows this chain: parameters → claim → reproduce → measure → verdict → fix →
+#   exercises → claims checked → summary. `python -m labkit claims` lists every verdict stored in
+#   the workbook without running it.
+# - The stored outputs are checked by nbval in `make test`; `make notebooks NB=00` refreshes them
+#   after you change a notebook.
