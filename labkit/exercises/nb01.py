@@ -1,0 +1,171 @@
+"""Checks for the exercises of 01_computation_graph: routing gradients through the autograd graph.
+
+01.1 asks for `p * log(p)` with a finite gradient at `p == 0` (claim A9: `torch.where` sends the
+unselected branch a zero gradient, but `0 * inf` is still NaN). 01.2 asks for the parameters a
+tensor's graph cannot reach, found by walking `next_functions` as the DAG it is (claim A1; the
+planted bug follows only the first link, as if the graph were a linked list). 01.3 asks for a copy
+outside the graph that can be edited in place (claim A6: `detach()` shares storage and the version
+counter with the original).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.exercises import NotYet, exercise
+from labkit.tracers import autograd_graph
+
+NOTEBOOK = "01_computation_graph"
+TOLERANCE = 1e-12
+
+
+# --------------------------------------------------------------------- 01.1
+
+
+@exercise(
+    "01.1",
+    notebook=NOTEBOOK,
+    title="an entropy term with a finite gradient",
+    hint=(
+        "torch.where sends 0 to the unselected branch, but that branch's own backward still multiplies it "
+        "by log(0) = -inf; feed the log a safe value where p == 0 (torch.where(p > 0, p, 1)) and select again"
+    ),
+)
+def check_entropy_term(entropy_term: Callable) -> str:
+    """Values and gradients must match p*log(p) (0 at p == 0) on probabilities with exact zeros."""
+    p = torch.tensor([0.0, 1e-3, 0.25, 0.0, 0.5, 1.0], dtype=torch.float64, requires_grad=True)
+    expected_values = torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).detach()
+    expected_grads = torch.where(p > 0, torch.log(p) + 1, torch.zeros_like(p)).detach()
+    values = entropy_term(p)
+    _require_tensor(values, p.shape, "entropy_term(p)")
+    if not values.requires_grad:
+        raise NotYet("the result carries no gradient: it was computed outside the graph (detach or no_grad?)")
+    _require_close(values.detach(), expected_values, "the values", "p * log(p), and 0 where p == 0")
+    (grads,) = torch.autograd.grad(values.sum(), p)
+    bad = (~torch.isfinite(grads)).nonzero().flatten().tolist()
+    if bad:
+        raise NotYet(f"the gradient is not finite at p = {[p[i].item() for i in bad]}")
+    _require_close(grads, expected_grads, "the gradient", "log(p) + 1 where p > 0, and 0 where p == 0")
+    return f"values and gradients match p*log(p) on {p.numel()} probabilities, finite at p == 0"
+
+
+def _require_tensor(result: object, shape: torch.Size, what: str) -> None:
+    if not isinstance(result, torch.Tensor):
+        raise NotYet(f"{what} returned a {type(result).__name__}, not a tensor")
+    if result.shape != shape:
+        raise NotYet(f"{what} has shape {tuple(result.shape)}, expected {tuple(shape)}")
+
+
+def _require_close(got: torch.Tensor, want: torch.Tensor, what: str, should_be: str) -> None:
+    difference = (got.to(torch.float64) - want).abs().nan_to_num(nan=float("inf")).max().item()
+    if not difference <= 1e-9:
+        raise NotYet(f"{what} differ by up to {difference:.3g} from {should_be}")
+
+
+# --------------------------------------------------------------------- 01.2
+
+
+class _DetachedMiddle(nn.Module):
+    """Three layers; the first block's output is detached, so `first` is unreachable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 5)
+        self.second = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.second(torch.relu(self.first(inputs)).detach())))
+
+
+class _TwoHeads(nn.Module):
+    """Two heads added together and one shared weight used twice: every parameter is reachable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(4, 3)
+        self.right = nn.Linear(4, 3)
+        self.shared = nn.Parameter(torch.ones(3))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return (self.left(inputs) * self.shared).sum() + (self.right(inputs) * self.shared).sum()
+
+
+class _FrozenAndUnused(nn.Module):
+    """A frozen layer (not reported: it does not require grad) and a layer forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.used = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 2)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.used(self.frozen(inputs))
+
+
+@exercise(
+    "01.2",
+    notebook=NOTEBOOK,
+    title="find the parameters a loss cannot reach",
+    hint=(
+        "the graph is a DAG, not a list: visit every (node, index) pair in node.next_functions, skip None, "
+        "remember the nodes you have seen, and collect node.variable from the AccumulateGrad nodes"
+    ),
+)
+def check_unreachable_parameters(unreachable_parameters: Callable) -> str:
+    """Three models with known answers (from labkit's autograd_graph); backward must not run."""
+    torch.manual_seed(0)
+    inputs = torch.randn(6, 4)
+    for model in (_DetachedMiddle(), _TwoHeads(), _FrozenAndUnused()):
+        output = model(inputs)
+        if output.dim() > 0:
+            output = F.mse_loss(output, torch.zeros_like(output))
+        expected = list(autograd_graph(output, model).unreachable_params)
+        got = unreachable_parameters(output, model)
+        name = type(model).__name__.lstrip("_")
+        if any(p.grad is not None for p in model.parameters()):
+            raise NotYet(f"on the {name} model your function ran backward (a .grad appeared)",
+                         hint="walk output.grad_fn and next_functions; never call backward")  # fmt: skip
+        if not isinstance(got, list) or not all(isinstance(item, str) for item in got):
+            raise NotYet(f"return a list of parameter names (str), not {type(got).__name__}")
+        if got != expected:
+            raise NotYet(f"on the {name} model you report {got}, but the unreachable parameters are {expected}")
+    return "the right parameters on a detached model, a two-head model with a shared weight and a frozen/unused one"
+
+
+# --------------------------------------------------------------------- 01.3
+
+
+@exercise(
+    "01.3",
+    notebook=NOTEBOOK,
+    title="a copy you can safely edit",
+    hint="detach() shares storage and the version counter with the original; copy the values too (detach().clone())",
+)
+def check_editable_copy(editable_copy: Callable) -> str:
+    """The copy is outside the graph; editing it leaves the original and its backward intact."""
+    source = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    original = torch.sigmoid(source)  # SigmoidBackward0 saves this output for backward
+    values_before = original.detach().clone()
+    copy = editable_copy(original)
+    _require_tensor(copy, original.shape, "editable_copy(t)")
+    if copy.requires_grad or copy.grad_fn is not None:
+        raise NotYet("the copy is still part of the autograd graph (it requires grad)")
+    if not torch.equal(copy, values_before):
+        raise NotYet("the copy does not hold t's values")
+    copy.mul_(0)
+    if not torch.equal(original.detach(), values_before):
+        raise NotYet("zeroing the copy in place changed the original: they share storage")
+    try:
+        (grad,) = torch.autograd.grad(original.sum(), source)
+    except RuntimeError as error:
+        raise NotYet(f"after editing the copy, the original's backward fails ({str(error).split(':')[0]})") from None
+    expected = (values_before * (1 - values_before)).detach()
+    if not torch.allclose(grad, expected, rtol=0, atol=TOLERANCE):
+        raise NotYet("after editing the copy, the original's gradient is wrong")
+    return "the copy holds t's values outside the graph, and editing it leaves t and its backward intact"
