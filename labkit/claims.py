@@ -48,6 +48,7 @@ class Verdict:
     evidence: str
     claim: str
     notebook: str = ""
+    device_dependent: bool = False
 
 
 @cache
@@ -97,17 +98,25 @@ def validate(case_id: str, verdict: str, evidence: str) -> None:
 _session: list[Verdict] = []
 
 
-def check(case_id: str, verdict: str, evidence: str, claim: str | None = None) -> None:
+def check(case_id: str, verdict: str, evidence: str, claim: str | None = None,
+          device_dependent: bool | None = None) -> None:
     """Record the verdict the measurement supports for one case, and show it.
 
     `claim` defaults to the catalogue's wording. `evidence` must hold the numbers for `holds`,
     `does-not-hold` and `partly`, and the reason for `needs-gpu` and `untestable`.
+    `device_dependent` marks a verdict that differs between a CPU and a GPU run (by default: a
+    GPU-only case, or a `needs-gpu` verdict); its cell carries `# NBVAL_IGNORE_OUTPUT`, and
+    `table()` names it without its verdict so the table reads the same on both.
     `recorded()` returns what was recorded.
     """
     validate(case_id, verdict, evidence)
-    record = Verdict(case_id, verdict, evidence.strip(), claim or case(case_id).claim)
+    if device_dependent is None:
+        device_dependent = case(case_id).gpu_only or verdict == "needs-gpu"
+    record = Verdict(case_id, verdict, evidence.strip(), claim or case(case_id).claim,
+                     device_dependent=device_dependent)
     _session[:] = [v for v in _session if v.id != case_id] + [record]
-    _emit(f"[{case_id}] {verdict}: {record.evidence}", CLAIM_MIME, asdict(record))
+    payload = {k: v for k, v in asdict(record).items() if k != "device_dependent"}
+    _emit(f"[{case_id}] {verdict}: {record.evidence}", CLAIM_MIME, payload)
 
 
 def metric(name: str, value: float | int | str | bool) -> None:
@@ -139,7 +148,14 @@ def format_table(verdicts: list[Verdict] | None = None, width: int = 100) -> str
     rows = recorded() if verdicts is None else verdicts
     if not rows:
         return "No claims checked yet."
-    return "\n\n".join(_format_row(v, width) for v in rows)
+    stable = [v for v in rows if not v.device_dependent]
+    text = "\n\n".join(_format_row(v, width) for v in stable)
+    varying = [v.id for v in rows if v.device_dependent]
+    if varying:
+        note = (f"Depends on the device (the verdict is in the case's own cell above, and in "
+                f"`python -m labkit claims`): {', '.join(varying)}")
+        text = f"{text}\n\n{note}" if text else note
+    return text
 
 
 def _format_row(v: Verdict, width: int) -> str:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,8 +60,9 @@ def seed_everything(seed: int) -> None:
 def setup(seed: int = 0, device: str = "auto", deterministic: bool = True) -> torch.device:
     """Seed everything, choose the device and ask torch for deterministic kernels.
 
-    Returns the `torch.device` the notebook should use. Deterministic mode warns (rather than
-    fails) on an op with no deterministic kernel, so a notebook still runs and says why.
+    Returns the `torch.device` the notebook should use. Deterministic mode lets an op with no
+    deterministic kernel (CUDA only) run anyway, without a warning, so a notebook's stored outputs
+    stay the same on CPU and GPU.
     """
     dev = pick_device(device)
     seed_everything(seed)
@@ -68,6 +70,9 @@ def setup(seed: int = 0, device: str = "auto", deterministic: bool = True) -> to
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+        # Only CUDA has ops without a deterministic kernel; their warnings would make a GPU run's
+        # stored outputs differ from the CPU's, so they are silenced (the op still runs).
+        warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
     return dev
 
 
@@ -285,8 +290,23 @@ def normalise(nb) -> None:
     for index, cell in enumerate(nb.cells):
         cell.id = f"cell-{index:03d}"
         cell.metadata = {k: v for k, v in cell.metadata.items() if k in KEPT_CELL_METADATA}
+        if "outputs" in cell:
+            cell.outputs = _merged_streams(cell.outputs)
         for output in cell.get("outputs", []):
             output.get("metadata", {}).pop("execution", None)
+
+
+def _merged_streams(outputs: list) -> list:
+    """Join adjacent stream outputs of the same name: how the kernel split them varies run to run."""
+    merged = []
+    for output in outputs:
+        previous = merged[-1] if merged else None
+        if (output.get("output_type") == "stream" and previous is not None
+                and previous.get("output_type") == "stream" and previous.get("name") == output.get("name")):
+            previous["text"] = "".join(previous["text"]) + "".join(output["text"])
+        else:
+            merged.append(output)
+    return merged
 
 
 def execute_in_place(notebook: Path, prefer: str | None = None, cell_timeout: int = 600) -> float:

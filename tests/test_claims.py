@@ -92,3 +92,13 @@ def test_cli_rejects_a_stored_notebook_with_a_bad_id(make_notebook, tmp_path):
                          capture_output=True, text=True)
     assert cli.returncode == 2
     assert "unknown case ID 'Q9'" in cli.stderr and "01_fixture.ipynb" in cli.stderr
+
+
+def test_device_dependent_verdicts_are_named_but_not_shown_in_the_table():
+    claims.check("Z1", verdict="holds", evidence="2 of 2")
+    claims.check("A2", verdict="needs-gpu", evidence="times CUDA kernels; no CUDA device here")
+    claims.check("B1", verdict="partly", evidence="1 of 2 on this device", device_dependent=True)
+    text = claims.format_table()
+    assert "HOLDS" in text and "NEEDS-GPU" not in text and "PARTLY" not in text
+    assert text.endswith("A2, B1")
+    assert [v.device_dependent for v in claims.recorded()] == [False, True, True]
