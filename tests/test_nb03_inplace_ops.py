@@ -1,0 +1,26 @@
+"""03_inplace_ops under papermill with small, non-default parameters: each planted fault's symptom
+appears with bug=True and is gone with bug=False."""
+
+from pathlib import Path
+
+import pytest
+
+from labkit import repro
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_inplace_ops.ipynb"
+SMALL = {"seed": 1, "norm_width": 3, "norm_steps": 8, "triplet_steps": 10}
+
+
+@pytest.mark.parametrize("bug", [True, False])
+def test_layer_norm_nan_and_inplace_triplet_error_only_with_the_bug(tmp_path, bug):
+    result = repro.run_notebook(NOTEBOOK, tmp_path, {**SMALL, "bug": bug}, timeout=300)
+    assert result.status == "ok", result.error
+    assert [c["id"] for c in result.claims] == ["C1", "C2", "C3", "C4", "C5"]
+    if bug:
+        # eps=0: with 3 ReLU units, some sample soon has all of them off: a zero-variance row, 0/0.
+        assert 0 <= result.metrics["layer_norm_first_nan_step"] < SMALL["norm_steps"]
+        # fill_diagonal_ on the cdist output: backward refuses the modified saved tensor.
+        assert result.metrics["triplet_inplace_raised"] is True
+    else:
+        assert result.metrics["layer_norm_first_nan_step"] == -1
+        assert result.metrics["triplet_inplace_raised"] is False
