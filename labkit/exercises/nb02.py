@@ -1,0 +1,233 @@
+"""Checks for the exercises of 02_gradients_accumulate.
+
+02.1 asks for a clipped optimizer step (the planted bug calls `zero_grad()` between `backward()` and
+`clip_grad_norm_`, so it clips nothing and steps with nothing: claim B7). 02.2 asks for gradient
+accumulation over micro-batches that equals the full-batch gradient even when the last micro-batch
+is short (the planted bug divides each micro-batch's mean loss by the number of micro-batches: B4).
+Every fixture is float64 on the CPU, so the references are exact to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.exercises import NotYet, exercise
+
+NOTEBOOK = "02_gradients_accumulate"
+TOLERANCE = 1e-9
+
+# 02.1: a linear model whose gradient norm is well above MAX_NORM, so clipping always acts.
+LEARNING_RATE = 0.1
+MAX_NORM = 0.05
+STEPS = 3
+FEATURES, OUTPUTS, ROWS = 4, 2, 16
+# clip_grad_norm_ divides by (total_norm + 1e-6); the reference does the same.
+CLIP_EPSILON = 1e-6
+
+# 02.2: (rows, micro_batch) splits: ragged, ragged with a short tail, equal, and one piece.
+SPLITS = ((30, 8), (10, 4), (32, 8), (7, 16))
+IN_FEATURES, HIDDEN, CLASSES = 6, 5, 3
+
+
+@exercise(
+    "02.1",
+    notebook=NOTEBOOK,
+    title="clip the gradient you are about to use",
+    hint=(
+        "the order is optimizer.zero_grad(), loss.backward(), clip_grad_norm_, optimizer.step(): after "
+        "zero_grad() there is no gradient left to clip (claim B7)"
+    ),
+)
+def check_clipped_step(clipped_step: Callable) -> str:
+    """Three clipped steps must match SGD on this batch's clipped gradient, and report its norm."""
+    model, batches = _clip_fixture()
+    start = [p.detach().clone() for p in model.parameters()]
+    stale = [p.grad.clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    params = start
+    for step, (x, y) in enumerate(batches, start=1):
+        expected_norm, clipped_params, unclipped_params, stale_norm = _clip_reference(params, x, y, stale)
+        before = [p.detach().clone() for p in model.parameters()]
+        reported = clipped_step(model, optimizer, F.mse_loss(model(x), y), MAX_NORM)
+        _require_norm(reported, expected_norm, stale_norm, step)
+        after = [p.detach() for p in model.parameters()]
+        _require_clipped_update(after, before, clipped_params, unclipped_params, step)
+        params, stale = [p.clone() for p in after], [torch.zeros_like(p) for p in after]
+    return (
+        f"{STEPS} steps report the gradient norm before clipping and move the weights by the clipped "
+        f"gradient, even with a stale gradient left in .grad"
+    )
+
+
+def _clip_fixture() -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(2)
+    model = nn.Linear(FEATURES, OUTPUTS).double()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(ROWS, FEATURES, generator=generator, dtype=torch.float64)
+        return x, torch.randn(ROWS, OUTPUTS, generator=generator, dtype=torch.float64)
+
+    # An earlier backward pass (an inspection, a logging step) leaves a gradient in .grad.
+    stale_x, stale_y = batch()
+    F.mse_loss(model(stale_x), stale_y).backward()
+    return model, [batch() for _ in range(STEPS)]
+
+
+def _clip_reference(
+    params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, stale: list[torch.Tensor]
+) -> tuple[float, list[torch.Tensor], list[torch.Tensor], float]:
+    """This batch's gradient norm, the params after a clipped and after an unclipped step, and the norm
+    the gradient would have with the stale one added."""
+    leaves = [p.clone().requires_grad_() for p in params]
+    grads = torch.autograd.grad(F.mse_loss(F.linear(x, *leaves), y), leaves)
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
+    scale = min(1.0, MAX_NORM / (norm + CLIP_EPSILON))
+    clipped = [p - LEARNING_RATE * scale * g for p, g in zip(params, grads)]
+    unclipped = [p - LEARNING_RATE * g for p, g in zip(params, grads)]
+    stale_norm = torch.linalg.vector_norm(torch.cat([(g + s).flatten() for g, s in zip(grads, stale)])).item()
+    return norm, clipped, unclipped, stale_norm
+
+
+def _require_norm(reported: object, expected: float, stale_norm: float, step: int) -> None:
+    if isinstance(reported, torch.Tensor) or not isinstance(reported, (int, float)) or isinstance(reported, bool):
+        raise NotYet(
+            f"step {step} returned a {type(reported).__name__}, not the norm as a Python float",
+            hint="return float(total_norm), where total_norm is what clip_grad_norm_ returns",
+        )
+    if reported == 0:
+        raise NotYet(
+            f"step {step} reported a gradient norm of 0: clip_grad_norm_ ran when .grad held no gradient "
+            "(zero_grad() had already cleared it), so it clipped nothing"
+        )
+    if abs(reported - expected) <= TOLERANCE * expected:
+        return
+    if abs(reported - stale_norm) <= TOLERANCE * stale_norm:
+        raise NotYet(
+            f"step {step} reported the norm of this batch's gradient plus an old one left in .grad",
+            hint="call optimizer.zero_grad() before loss.backward(), so .grad holds only this batch's gradient",
+        )
+    raise NotYet(f"step {step} reported a norm of {reported:.4g}, but this batch's gradient norm is {expected:.4g}")
+
+
+def _require_clipped_update(
+    after: list[torch.Tensor],
+    before: list[torch.Tensor],
+    clipped: list[torch.Tensor],
+    unclipped: list[torch.Tensor],
+    step: int,
+) -> None:
+    if _max_difference(after, clipped) <= TOLERANCE:
+        return
+    if _max_difference(after, before) == 0:
+        raise NotYet(
+            f"the weights did not move in step {step}",
+            hint="call optimizer.step() after clipping, while .grad still holds the clipped gradient",
+        )
+    if _max_difference(after, unclipped) <= TOLERANCE:
+        raise NotYet(
+            f"step {step} moved the weights by the unclipped gradient",
+            hint="clip between loss.backward() and optimizer.step(): clipping after the step changes nothing",
+        )
+    raise NotYet(
+        f"after step {step} the weights differ by {_max_difference(after, clipped):.2g} from one SGD step "
+        f"on this batch's gradient clipped to max_norm"
+    )
+
+
+@exercise(
+    "02.2",
+    notebook=NOTEBOOK,
+    title="accumulate micro-batches into the full-batch gradient",
+    hint=(
+        "weight each micro-batch by its share of the rows: sum its per-row losses "
+        "(reduction='sum') and divide by len(y), the row count of the whole batch, so a short last "
+        "micro-batch counts as much as its rows (claim B4)"
+    ),
+)
+def check_accumulate_gradients(accumulate_gradients: Callable) -> str:
+    """.grad must equal the full-batch mean-loss gradient, with no forward pass over micro_batch rows."""
+    for rows, micro_batch in SPLITS:
+        model, x, y = _accumulation_fixture(rows)
+        expected = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+        start = [p.detach().clone() for p in model.parameters()]
+        widest = []
+        handle = model.register_forward_pre_hook(lambda module, args: widest.append(len(args[0])))
+        try:
+            accumulate_gradients(model, x, y, micro_batch)
+        finally:
+            handle.remove()
+        _require_micro_batches(widest, micro_batch, rows)
+        if _max_difference([p.detach() for p in model.parameters()], start) != 0:
+            raise NotYet("your function changed the weights", hint="only call backward here; the step comes later")
+        _require_full_batch_gradient(model, x, y, expected, micro_batch)
+    splits = ", ".join(f"{rows} rows in micro-batches of {micro}" for rows, micro in SPLITS)
+    return f".grad equals the full-batch gradient for {splits}"
+
+
+def _accumulation_fixture(rows: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rows)
+    model = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES)).double()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+    x = torch.randn(rows, IN_FEATURES, generator=generator, dtype=torch.float64)
+    return model, x, torch.randint(0, CLASSES, (rows,), generator=generator)
+
+
+def _require_micro_batches(widest: list[int], micro_batch: int, rows: int) -> None:
+    if not widest:
+        raise NotYet("your function never ran the model", hint="run model(x_piece) on each micro-batch")
+    if max(widest) > micro_batch:
+        raise NotYet(
+            f"with micro_batch={micro_batch} your function ran the model on {max(widest)} rows at once",
+            hint="split x and y with x.split(micro_batch) and run one forward and backward per piece",
+        )
+
+
+def _require_full_batch_gradient(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, expected: tuple[torch.Tensor, ...], micro_batch: int
+) -> None:
+    grads = [p.grad for p in model.parameters()]
+    if any(g is None for g in grads):
+        raise NotYet(
+            "some parameters have no .grad after your function", hint="call backward on each micro-batch's loss"
+        )
+    if _max_difference(grads, list(expected)) <= TOLERANCE:
+        return
+    pieces = len(x.split(micro_batch))
+    mean_of_means = _weighted_gradient(model, x, y, micro_batch, lambda piece_rows: 1 / pieces)
+    unscaled = _weighted_gradient(model, x, y, micro_batch, lambda piece_rows: 1.0)
+    if _max_difference(grads, mean_of_means) <= TOLERANCE:
+        raise NotYet(
+            f"with {len(y)} rows in micro-batches of {micro_batch}, dividing each micro-batch's mean loss by the "
+            "number of micro-batches gives the short last micro-batch the weight of a full one"
+        )
+    if _max_difference(grads, unscaled) <= TOLERANCE:
+        raise NotYet(f"the gradient is the sum of the {pieces} micro-batch means, not the mean over all {len(y)} rows")
+    raise NotYet(
+        f"with {len(y)} rows in micro-batches of {micro_batch}, .grad differs by "
+        f"{_max_difference(grads, list(expected)):.2g} from the gradient of F.cross_entropy(model(x), y)"
+    )
+
+
+def _weighted_gradient(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batch: int, weight: Callable[[int], float]
+) -> list[torch.Tensor]:
+    """The gradient of sum over micro-batches of weight(rows) * mean loss: names a wrong weighting."""
+    params = list(model.parameters())
+    total = sum(
+        weight(len(y_piece)) * F.cross_entropy(model(x_piece), y_piece)
+        for x_piece, y_piece in zip(x.split(micro_batch), y.split(micro_batch))
+    )
+    return list(torch.autograd.grad(total, params))
+
+
+def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(first, second))
