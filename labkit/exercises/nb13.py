@@ -1,0 +1,194 @@
+"""Checks for the exercises of 13_memory: graphs kept alive across steps, and activation checkpointing.
+
+13.1 asks for a validation loss that keeps no batch's autograd graph alive once the next batch has
+started (the planted bug adds each loss tensor into a running total, so every graph and its saved
+activations live until the end). 13.2 asks for a forward that checkpoints whole blocks (the planted
+bug checkpoints only the activation function, the article's K4 approach, and saves nothing). Both
+checks watch what autograd saves through `torch.autograd.graph.saved_tensors_hooks`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.exercises import NotYet, exercise
+
+NOTEBOOK = "13_memory"
+FEATURES, HIDDEN, CLASSES = 8, 32, 4
+BATCHES, ROWS = 5, 6
+BLOCKS, BLOCK_WIDTH, BLOCK_HIDDEN, BLOCK_ROWS = 3, 16, 64, 8
+TOLERANCE = 1e-12
+
+
+class _SavedTensor:
+    """What our pack hook stores in the graph instead of the tensor: it dies when the graph does."""
+
+    __slots__ = ("tensor", "batch", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, batch: int) -> None:
+        self.tensor, self.batch = tensor, batch
+
+
+@exercise(
+    "13.1",
+    notebook=NOTEBOOK,
+    title="a validation loss that frees its graphs",
+    hint=(
+        "compute the losses under torch.no_grad() and add loss.item() (a Python float) to the total: a "
+        "running total of loss tensors keeps every batch's graph and its saved activations alive"
+    ),
+)
+def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
+    """The mean must be right, and no graph older than the previous batch may be alive."""
+    model, batches = _validation_fixture()
+    with torch.no_grad():
+        expected = sum(F.cross_entropy(model(x), y).item() for x, y in batches) / len(batches)
+    alive: weakref.WeakSet = weakref.WeakSet()
+    batch_index = [0]
+    stale: list[tuple[int, int]] = []
+
+    def before_forward(module, args) -> None:
+        batch_index[0] += 1
+        older = [held.batch for held in alive if held.batch < batch_index[0] - 1]
+        if older:
+            stale.append((batch_index[0], min(older)))
+
+    def pack(tensor: torch.Tensor) -> _SavedTensor:
+        held = _SavedTensor(tensor, batch_index[0])
+        alive.add(held)
+        return held
+
+    model.register_forward_pre_hook(before_forward)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
+        result = mean_validation_loss(model, batches)
+    _require_mean(result, expected)
+    if stale:
+        now, oldest = stale[0]
+        raise NotYet(
+            f"when batch {now} started, the autograd graph of batch {oldest} was still alive with its saved "
+            "activations: memory grows with every batch"
+        )
+    if len(alive):
+        raise NotYet("after your function returned, an autograd graph was still alive: return a float, not a tensor")
+    return f"the mean of {BATCHES} batch losses is right, and no batch's graph outlived the next batch"
+
+
+def _validation_fixture() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES)).double()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+    batches = [(torch.randn(ROWS, FEATURES, generator=generator, dtype=torch.float64),
+                torch.randint(0, CLASSES, (ROWS,), generator=generator)) for _ in range(BATCHES)]
+    return model, batches
+
+
+def _require_mean(result: object, expected: float) -> None:
+    if isinstance(result, torch.Tensor):
+        raise NotYet("you returned a tensor: return the mean as a Python float (.item()), which holds no graph")
+    if not isinstance(result, float):
+        raise NotYet(f"you returned a {type(result).__name__}, not the mean loss as a Python float")
+    if not math.isclose(result, expected, rel_tol=1e-9, abs_tol=TOLERANCE):
+        raise NotYet(
+            f"you returned {result:.6g}, but the mean of F.cross_entropy(model(x), y) over the "
+            f"{BATCHES} batches is {expected:.6g}"
+        )
+
+
+@exercise(
+    "13.2",
+    notebook=NOTEBOOK,
+    title="checkpoint whole blocks",
+    hint=(
+        "wrap each block, not its activation: x = torch.utils.checkpoint.checkpoint(block, x, "
+        "use_reentrant=False), so that only the block's input is kept and its inside is recomputed"
+    ),
+)
+def check_checkpointed_forward(checkpointed_forward: Callable) -> str:
+    """Same output and gradients as the plain forward, with only block boundaries saved."""
+    blocks, x = _blocks_fixture()
+    plain_output = _plain_forward(blocks, x)
+    plain_grads = torch.autograd.grad(plain_output.square().sum(), list(blocks.parameters()))
+    plain_saved = _saved_bytes(lambda: _plain_forward(blocks, x))
+    saved: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = checkpointed_forward(blocks, x)
+    _require_same_output(output, plain_output)
+    if not output.requires_grad:
+        raise NotYet(
+            "the output does not require grad, so no parameter gets a gradient (reentrant checkpoint, "
+            "use_reentrant=True, behaves so when the input does not require grad)",
+            hint="use torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
+        )
+    grads = torch.autograd.grad(output.square().sum(), list(blocks.parameters()), allow_unused=True)
+    _require_same_gradients(grads, plain_grads)
+    boundaries = BLOCKS * x.untyped_storage().nbytes()
+    if sum(saved) > boundaries:
+        raise NotYet(
+            f"autograd kept {sum(saved):,} B for backward, against {plain_saved:,} B without checkpointing and "
+            f"{boundaries:,} B for the {BLOCKS} block inputs alone: the inside of each block is still saved"
+        )
+    return (
+        f"output and gradients match the plain forward, and autograd kept {sum(saved):,} B instead of "
+        f"{plain_saved:,} B"
+    )
+
+
+def _blocks_fixture() -> tuple[nn.ModuleList, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(BLOCK_WIDTH, BLOCK_HIDDEN), nn.ReLU(), nn.Linear(BLOCK_HIDDEN, BLOCK_WIDTH))
+        for _ in range(BLOCKS)
+    ).double()
+    with torch.no_grad():
+        for parameter in blocks.parameters():
+            parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+    return blocks, torch.randn(BLOCK_ROWS, BLOCK_WIDTH, generator=generator, dtype=torch.float64)
+
+
+def _plain_forward(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def _saved_bytes(forward: Callable[[], torch.Tensor]) -> int:
+    saved: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    return sum(saved)
+
+
+def _require_same_output(output: object, expected: torch.Tensor) -> None:
+    if not isinstance(output, torch.Tensor):
+        raise NotYet(f"you returned a {type(output).__name__}: return the last block's output tensor")
+    if output.shape != expected.shape:
+        raise NotYet(f"the output has shape {tuple(output.shape)}, but the blocks give {tuple(expected.shape)}")
+    difference = (output.detach() - expected.detach()).abs().max().item()
+    if difference > TOLERANCE:
+        raise NotYet(f"the output differs by {difference:.2g} from running the blocks one after another")
+
+
+def _require_same_gradients(grads: tuple, expected: tuple) -> None:
+    if any(g is None for g in grads):
+        raise NotYet("some parameters get no gradient from your output: every block must stay in the graph")
+    difference = max((g - e).abs().max().item() for g, e in zip(grads, expected))
+    if difference > 1e-10:
+        raise NotYet(f"the gradients differ by {difference:.2g} from those of the plain forward")

@@ -1,0 +1,28 @@
+"""13_memory under papermill with other parameters: adding validation-loss tensors into a running
+total keeps one validation graph alive per step only with the bug; the memory verdicts that need
+no GPU do not depend on the bug switch."""
+
+from pathlib import Path
+
+import pytest
+
+from labkit import repro
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "13_memory.ipynb"
+SMALL = {"seed": 2, "k1_batches": [1, 64], "vit_batches": [1], "resnet_batch": 8, "ffn_blocks": 3,
+         "attention_lengths": [64, 256], "validation_rows": 128, "validation_steps": 3}
+
+
+@pytest.mark.parametrize("bug", [True, False])
+def test_running_loss_tensor_keeps_graphs_alive_only_with_the_bug(tmp_path, bug):
+    result = repro.run_notebook(NOTEBOOK, tmp_path, {**SMALL, "bug": bug}, timeout=300)
+    assert result.status == "ok", result.error
+    verdicts = {c["id"]: c["verdict"] for c in result.claims}
+    assert verdicts["K2"] == verdicts["K7"] == verdicts["K8"] == "does-not-hold"
+    assert verdicts["K4"] == "partly"
+    if bug:
+        assert result.metrics["held_graph_nodes"] > 3 * 10
+        assert result.metrics["held_bytes_per_step"] > 128 * 256 * 4
+    else:
+        assert result.metrics["held_graph_nodes"] == 0
+        assert result.metrics["held_bytes_per_step"] == 0
