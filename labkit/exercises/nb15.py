@@ -1,0 +1,275 @@
+"""Checks for the exercises of 15_distributed (averaging gradients by hand, sharding per epoch).
+
+15.1 needs ranks that make collectives together. Starting processes would take longer than a
+check may, so threads stand in for the ranks: `_LockstepRanks.all_reduce_sum` pairs up the k-th
+call of every rank, as a real collective does, sums the tensors, and reports ranks that call it a
+different number of times or with different shapes instead of hanging on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.exercises import NotYet, exercise
+
+NOTEBOOK = "15_distributed"
+WORLD_SIZE = 3
+# Rank that does not use the branch layer in its forward pass, so its .grad stays None there.
+SKIPPING_RANK = 2
+# A rank waiting this long in a collective for the others is stuck (a rank that finished without the
+# call is noticed at once; this bounds an answer that hangs some other way).
+COLLECTIVE_WAIT_S = 2.0
+TOLERANCE = 1e-12
+
+
+class _CollectiveMismatch(Exception):
+    """The ranks' collectives did not pair up (different counts or shapes)."""
+
+
+class _LockstepRanks:
+    """Threads standing in for ranks of one process group, with a summing all-reduce.
+
+    The k-th call of every rank forms one collective. A rank that arrives at call k waits until
+    every rank has made its k-th call, or until a rank finished without making it (a mismatch,
+    reported at once instead of waiting), or for `COLLECTIVE_WAIT_S` at most.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.condition = threading.Condition()
+        self.deposits: dict[int, dict[int, torch.Tensor]] = {}
+        self.calls = [0] * world_size
+        self.finished = [False] * world_size
+        self.mismatch = ""
+
+    def all_reduce_sum_for(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+            """The sum of `tensor` over all ranks (every rank must call this alike)."""
+            with self.condition:
+                if not isinstance(tensor, torch.Tensor):
+                    self._fail(f"rank {rank} passed a {type(tensor).__name__} to all_reduce_sum, not a tensor")
+                index = self.calls[rank]
+                self.calls[rank] += 1
+                self.deposits.setdefault(index, {})[rank] = tensor.detach().clone()
+                self.condition.notify_all()
+                self.condition.wait_for(lambda: self._settled(index), COLLECTIVE_WAIT_S)
+                return self._sum(index)
+
+        return all_reduce_sum
+
+    def _settled(self, index: int) -> bool:
+        arrived = self.deposits[index]
+        never = [r for r in range(self.world_size) if self.finished[r] and r not in arrived]
+        return bool(self.mismatch) or len(arrived) == self.world_size or bool(never)
+
+    def _sum(self, index: int) -> torch.Tensor:
+        if self.mismatch:
+            raise _CollectiveMismatch(self.mismatch)
+        arrived = self.deposits[index]
+        missing = [r for r in range(self.world_size) if r not in arrived]
+        if missing:
+            self._fail(f"rank {missing[0]} never made all_reduce_sum call {index + 1}")
+        shapes = [tuple(arrived[r].shape) for r in range(self.world_size)]
+        if len(set(shapes)) > 1:
+            self._fail(f"at all_reduce_sum call {index + 1} the ranks passed tensors of shapes {shapes}")
+        return torch.stack([arrived[r] for r in range(self.world_size)]).sum(0)
+
+    def _fail(self, problem: str) -> None:
+        self.mismatch = self.mismatch or problem
+        self.condition.notify_all()
+        raise _CollectiveMismatch(self.mismatch)
+
+    def run(self, body: Callable[[int], object]) -> None:
+        """Run body(rank) on one thread per rank; re-raise the first real error in this thread."""
+        errors: list[BaseException | None] = [None] * self.world_size
+
+        def rank_main(rank: int) -> None:
+            try:
+                body(rank)
+            except BaseException as error:  # handed to the checking thread below
+                errors[rank] = error
+            with self.condition:
+                self.finished[rank] = True
+                self.condition.notify_all()
+
+        threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(self.world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(COLLECTIVE_WAIT_S * 4)
+        real = [error for error in errors if error is not None and not _is_mismatch(error)]
+        if real:
+            raise real[0]
+        if self.mismatch or any(errors) or len(set(self.calls)) > 1:
+            raise NotYet(self._mismatch_problem(), hint=_COLLECTIVE_HINT)
+
+    def _mismatch_problem(self) -> str:
+        counts = ", ".join(f"rank {rank} {count}" for rank, count in enumerate(self.calls))
+        detail = self.mismatch or "the ranks made different numbers of calls"
+        return (f"the ranks' all_reduce_sum calls did not pair up: {detail} (calls made: {counts}); real ranks "
+                "would sum the wrong tensors, abort or wait forever")
+
+
+_COLLECTIVE_HINT = (
+    "call all_reduce_sum once for every parameter, in the same order on every rank, passing "
+    "torch.zeros_like(parameter) where this rank's .grad is None: DDP's find_unused_parameters does the same"
+)
+
+
+def _is_mismatch(error: BaseException) -> bool:
+    """Whether a mismatch raised by all_reduce_sum is behind this error (grading wraps the answer's errors)."""
+    while error is not None:
+        if isinstance(error, _CollectiveMismatch):
+            return True
+        error = error.__cause__
+    return False
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.branch, self.head = nn.Linear(4, 3), nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        hidden = torch.relu(self.trunk(x))
+        return self.head(hidden + self.branch(hidden) if use_branch else hidden)
+
+
+def _replicas_with_local_gradients() -> list[_Branching]:
+    """One model per rank, identical weights, each with the gradient of its own batch."""
+    generator = torch.Generator().manual_seed(0)
+    template = _Branching().double()
+    with torch.no_grad():
+        for parameter in template.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+    replicas = []
+    for rank in range(WORLD_SIZE):
+        replica = copy.deepcopy(template)
+        x = torch.randn(5, 4, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 2, (5,), generator=generator)
+        F.cross_entropy(replica(x, use_branch=rank != SKIPPING_RANK), y).backward()
+        replicas.append(replica)
+    return replicas
+
+
+@exercise(
+    "15.1",
+    notebook=NOTEBOOK,
+    title="average gradients the way DDP does",
+    hint=_COLLECTIVE_HINT,
+)
+def check_average_gradients(average_gradients: Callable) -> str:
+    """On three thread-ranks, one of which skips a layer, every rank must end with the mean gradient."""
+    replicas = _replicas_with_local_gradients()
+    expected = _mean_gradients(replicas)
+    ranks = _LockstepRanks(WORLD_SIZE)
+    ranks.run(lambda rank: average_gradients(replicas[rank], ranks.all_reduce_sum_for(rank), WORLD_SIZE))
+    for rank, replica in enumerate(replicas):
+        for name, parameter in replica.named_parameters():
+            _require_mean(parameter.grad, expected[name], name, rank)
+    return (f"on {WORLD_SIZE} ranks, one of which skipped a layer, every rank holds the mean gradient of every "
+            "parameter, with the collectives paired up")
+
+
+def _mean_gradients(replicas: list[_Branching]) -> dict[str, torch.Tensor]:
+    names = [name for name, _ in replicas[0].named_parameters()]
+    mean = {}
+    for name in names:
+        grads = []
+        for replica in replicas:
+            parameter = dict(replica.named_parameters())[name]
+            grads.append(parameter.grad if parameter.grad is not None else torch.zeros_like(parameter))
+        mean[name] = torch.stack(grads).mean(0)
+    return mean
+
+
+def _require_mean(grad: torch.Tensor | None, expected: torch.Tensor, name: str, rank: int) -> None:
+    if grad is None:
+        raise NotYet(f"after your function, {name} has no gradient on rank {rank}", hint=_COLLECTIVE_HINT)
+    if grad.shape != expected.shape:
+        raise NotYet(f"{name}'s gradient on rank {rank} has shape {tuple(grad.shape)}, not {tuple(expected.shape)}")
+    difference = (grad.detach() - expected).abs().max().item()
+    if difference <= TOLERANCE:
+        return
+    if (grad.detach() - expected * WORLD_SIZE).abs().max().item() <= TOLERANCE:
+        raise NotYet(
+            f"{name}'s gradient on rank {rank} is the sum over the ranks, {WORLD_SIZE} times the average",
+            hint="divide the summed gradient by world_size",
+        )
+    raise NotYet(f"{name}'s gradient on rank {rank} differs by {difference:.2g} from the mean over the ranks")
+
+
+# ---- 15.2 -------------------------------------------------------------------------------------
+
+SAMPLER_CASES = ((64, 2), (10, 3), (7, 4))
+EPOCHS = 3
+# Below this many samples two epochs can shuffle a rank's few indices alike by chance.
+RESHUFFLE_CHECKED_FROM = 32
+
+
+@exercise(
+    "15.2",
+    notebook=NOTEBOOK,
+    title="a different shuffle every epoch, a different shard every rank",
+    hint=(
+        "a DistributedSampler shuffles with seed + the epoch it was given by sampler.set_epoch(epoch); "
+        "without that call every epoch repeats epoch 0's order"
+    ),
+)
+def check_rank_indices(rank_indices: Callable) -> str:
+    """Shards must cover the data with equal lengths, repeat for a seed, and change with the epoch."""
+    for samples, world_size in SAMPLER_CASES:
+        per_epoch = []
+        for epoch in range(EPOCHS):
+            shards = [_indices(rank_indices, samples, rank, world_size, epoch) for rank in range(world_size)]
+            _require_shards(shards, samples, world_size, epoch)
+            again = _indices(rank_indices, samples, 0, world_size, epoch)
+            if again != shards[0]:
+                raise NotYet(f"two calls for rank 0, epoch {epoch} and the same seed gave different indices",
+                             hint="derive the order from seed and epoch only, so that a run can be repeated")
+            per_epoch.append(shards[0])
+        if samples >= RESHUFFLE_CHECKED_FROM:
+            _require_reshuffle(per_epoch, samples, world_size)
+    return (f"in {len(SAMPLER_CASES)} set-ups the ranks cover every sample with equal shares, the same seed "
+            f"repeats, and each of {EPOCHS} epochs is shuffled differently")
+
+
+def _indices(rank_indices: Callable, samples: int, rank: int, world_size: int, epoch: int) -> list[int]:
+    returned = rank_indices(samples, rank, world_size, epoch, 7)
+    try:
+        return [int(index) for index in returned]
+    except TypeError:
+        raise NotYet(f"rank_indices returned a {type(returned).__name__}, not a list of indices") from None
+
+
+def _require_shards(shards: list[list[int]], samples: int, world_size: int, epoch: int) -> None:
+    share = math.ceil(samples / world_size)
+    lengths = [len(shard) for shard in shards]
+    if len(set(lengths)) > 1:
+        raise NotYet(
+            f"with {samples} samples on {world_size} ranks in epoch {epoch}, the ranks got {lengths} indices: "
+            "they would run different numbers of steps, and the last collective would wait forever",
+            hint=f"give every rank {share} indices, repeating a few samples to pad (DistributedSampler does)",
+        )
+    covered = {index for shard in shards for index in shard}
+    if covered != set(range(samples)):
+        missing = sorted(set(range(samples)) - covered)
+        raise NotYet(f"with {samples} samples on {world_size} ranks in epoch {epoch}, no rank trains on {missing[:5]}"
+                     if missing else f"the ranks got indices outside range({samples})")
+    if lengths[0] > share:
+        raise NotYet(f"with {samples} samples on {world_size} ranks, each rank got {lengths[0]} indices, "
+                     f"more than the {share} needed: the ranks repeat each other's samples")
+
+
+def _require_reshuffle(per_epoch: list[list[int]], samples: int, world_size: int) -> None:
+    for epoch in range(1, len(per_epoch)):
+        if per_epoch[epoch] == per_epoch[epoch - 1]:
+            raise NotYet(f"with {samples} samples on {world_size} ranks, rank 0 got the same indices in the same "
+                         f"order in epochs {epoch - 1} and {epoch}")

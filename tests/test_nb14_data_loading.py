@@ -1,0 +1,26 @@
+"""14_data_loading under papermill with other parameters: duplicated augmentations come and go with `bug`."""
+
+from pathlib import Path
+
+import pytest
+
+from labkit import repro
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "14_data_loading.ipynb"
+SMALL = {"seed": 5, "samples": 64, "batch_size": 32, "epochs": 1, "noisy_samples": 16, "sleep_ms": 1.0,
+         "worker_counts": [0, 2]}
+
+
+@pytest.mark.parametrize("bug", [True, False])
+def test_dataset_owned_generator_duplicates_noise_only_with_the_bug(tmp_path, bug):
+    result = repro.run_notebook(NOTEBOOK, tmp_path, dict(SMALL, bug=bug), timeout=300)
+    assert result.status == "ok", result.error
+    verdicts = {claim["id"]: claim["verdict"] for claim in result.claims}
+    assert verdicts["I1"] == "does-not-hold"
+    assert verdicts["I3"] == "partly"
+    assert verdicts["I4"] == "does-not-hold"
+    if bug:
+        # Two workers forked from one dataset draw the same stream: every sample's noise has a twin.
+        assert result.metrics["duplicated_share"] == 1.0
+    else:
+        assert result.metrics["duplicated_share"] == 0.0
