@@ -22,7 +22,6 @@ a step reads everything with one transfer.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -259,7 +258,9 @@ class GradTracer:
 
     def _on_gradient(self, index: int, param: torch.Tensor) -> None:
         self._accumulations[index] += 1
-        grad = param.grad.detach()
+        grad = param.grad
+        if grad.requires_grad:  # backward(create_graph=True): keep the reductions off its graph
+            grad = grad.detach()
         if grad.is_sparse:
             grad = grad.to_dense()
         self._pending[index] = _gradient_summary(grad, self._bins if self._full_step else 0)
@@ -314,7 +315,7 @@ class GradTracer:
 
     def _reset_pending(self) -> None:
         count = len(self._params)
-        self._pending: list[torch.Tensor | None] = [None] * count
+        self._pending: list[tuple[torch.Tensor, ...] | None] = [None] * count
         self._grads_seen: list[torch.Tensor | None] = [None] * count
         self._accumulations = [0] * count
         self._activation_pending = [None] * len(self._activation_modules)
@@ -322,13 +323,12 @@ class GradTracer:
 
     def _close_step(self, update: torch.Tensor | None) -> None:
         activations = [(k, p) for k, p in enumerate(self._activation_pending) if p is not None]
-        on_device = [t for t in self._pending if t is not None]
-        on_device += [torch.cat((sums, alive.sum().reshape(1))) for _, (_, _, sums, alive) in activations]
-        if update is not None:
-            on_device.append(update)
+        summaries = [s for s in self._pending if s is not None]
+        on_device = _step_tensors(summaries, [p for _, p in activations], update)
         # The one synchronisation of the step: everything the hooks left on the device, at once.
         values = iter(torch.cat(on_device).tolist() if on_device else ())
-        rows = [self._gradient_row(index, values) for index in range(len(self._params))]
+        cheap = iter([(next(values), next(values)) for _ in summaries])
+        rows = [self._gradient_row(index, cheap, values) for index in range(len(self._params))]
         activation_rows = [self._activation_row(k, pending, values) for k, pending in activations]
         if update is not None:
             rows = _with_update_ratios(rows, values)
@@ -337,12 +337,14 @@ class GradTracer:
         self._reset_pending()
         self._hook_parameters_needing_grad()
 
-    def _gradient_row(self, index: int, values: Iterator[float]) -> _GradRow:
+    def _gradient_row(
+        self, index: int, cheap: Iterator[tuple[float, float]], values: Iterator[float]
+    ) -> _GradRow:
         param, step, name = self._params[index], self._step, self.names[index]
         numel, frozen = param.numel(), not param.requires_grad
         if self._pending[index] is None:
             return _GradRow(step, name, numel, frozen, True, 0)
-        total_sq, total = next(values), next(values)
+        total_sq, total = next(cheap)
         full = _read_full_stats(values, numel, self._bins) if self._full_step else _NO_FULL_STATS
         nonfinite = full.nonfinite
         if nonfinite is None:
@@ -467,15 +469,15 @@ def _check_tracer_options(
             raise LabkitError(f"{label} must be an integer >= {least}, got {value!r}")
 
 
-def _gradient_summary(grad: torch.Tensor, bins: int) -> torch.Tensor:
-    """Device-side reductions of one gradient: sum of squares and sum; with ``bins``, also the
-    `_FULL_SCALARS` and a histogram. Each reduction is one pass over the gradient's memory."""
+def _gradient_summary(grad: torch.Tensor, bins: int) -> tuple[torch.Tensor, ...]:
+    """Device-side reductions of one gradient: sum of squares and sum; with ``bins``, also a
+    tensor of the `_FULL_SCALARS` and a histogram. Each reduction is one pass over the gradient's
+    memory, the cost of the every-step mode."""
     flat = grad.reshape(-1)
     if flat.dtype not in _REDUCED_AS_IS:
         flat = flat.float()
-    cheap = torch.stack((torch.dot(flat, flat), flat.sum()))
     if not bins:
-        return cheap
+        return (torch.dot(flat, flat), flat.sum())
     finite = torch.isfinite(flat)
     # histc refuses a non-finite range, so non-finite values are counted, then left out.
     clean = torch.where(finite, flat, 0.0)
@@ -484,7 +486,20 @@ def _gradient_summary(grad: torch.Tensor, bins: int) -> torch.Tensor:
     scalars = torch.stack((
         finite.logical_not().sum(), (flat == 0).sum(), magnitudes.sum(), magnitudes.amax(), low, high,
     )).double()  # fmt: skip
-    return torch.cat((cheap.double(), scalars, torch.histc(clean, bins).double()))
+    return (torch.dot(flat, flat), flat.sum(), torch.cat((scalars, torch.histc(clean, bins).double())))
+
+
+def _step_tensors(
+    summaries: list[tuple[torch.Tensor, ...]], activations: list[list], update: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """The step's device tensors in reading order: every (sum of squares, sum) pair, stacked once
+    rather than once per hook call; full statistics; activation sums; update norms."""
+    tensors = [torch.stack([t for s in summaries for t in s[:2]])] if summaries else []
+    tensors += [s[2] for s in summaries if len(s) == 3]
+    tensors += [torch.cat((sums, alive.sum().reshape(1))) for _, _, sums, alive in activations]
+    if update is not None:
+        tensors.append(update)
+    return tensors
 
 
 def _read_full_stats(values: Iterator[float], numel: int, bins: int) -> _FullStats:
@@ -533,6 +548,13 @@ def _with_update_ratios(rows: list[_GradRow], values: Iterator[float]) -> list[_
     ]
 
 
+def _median(values: Iterable[float]) -> float:
+    # statistics.median costs several times more, and this runs per parameter per step.
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def _rms(row: _GradRow) -> float:
     return row.norm / math.sqrt(row.numel)
 
@@ -552,7 +574,7 @@ def _row_alert(
                      f"step {step}: '{name}' has {row.nonfinite} non-finite gradient values "
                      f"of {row.numel}")  # fmt: skip
     if len(baseline) >= min(5, baseline.maxlen):
-        typical = statistics.median(baseline)
+        typical = _median(baseline)
         if typical > 0 and row.norm > explode_factor * typical:
             return Alert("exploding", step, name, row.norm, explode_factor * typical,
                          f"step {step}: '{name}' gradient norm {row.norm:.3g} is "

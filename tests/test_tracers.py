@@ -1,0 +1,513 @@
+"""labkit.tracers: gradient statistics, hooks' lifetime, alerts, compare_grads, the graph walker."""
+
+import math
+import tracemalloc
+
+import matplotlib.figure
+import pytest
+import torch
+from torch import nn
+
+from labkit.errors import LabkitError
+from labkit.tracers import (
+    HISTORY_KEYS,
+    GradTracer,
+    autograd_graph,
+    compare_grads,
+    plot_grad_flow,
+    plot_grad_histograms,
+    plot_grad_stat,
+)
+
+# d(loss)/d(weight) is exactly GRAD_OF_WEIGHT for loss = (weight * GRAD_OF_WEIGHT).sum().
+GRAD_OF_WEIGHT = [3.0, -4.0, 0.0, 0.0, 2.0]
+
+
+class Weighted(nn.Module):
+    """One parameter whose gradient the test chooses: forward returns (weight * coefficients).sum()."""
+
+    def __init__(self, size: int = 5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, coefficients: torch.Tensor) -> torch.Tensor:
+        return (self.weight * coefficients).sum()
+
+
+def small_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def train_steps(model, optimizer, steps, inputs=None):
+    inputs = torch.randn(16, 4) if inputs is None else inputs
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(inputs).pow(2).mean().backward()
+        optimizer.step()
+
+
+def hooks_left(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    grad_hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    forward_hooks = sum(len(m._forward_hooks) for m in model.modules())
+    step_hooks = len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
+    return grad_hooks + forward_hooks + step_hooks
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def test_full_step_statistics_equal_hand_computed_values():
+    model = Weighted()
+    with GradTracer(model, full_every=1, histogram_bins=4) as tracer:
+        model(torch.tensor(GRAD_OF_WEIGHT)).backward()
+        tracer.step()
+    (record,) = tracer.history()
+    # sum of squares 9 + 16 + 4 = 29; sum 1; |g| sums to 9; two of five are exactly 0;
+    # sample variance (29 - 1 * 1 / 5) / 4 = 7.2.
+    assert record["norm"] == pytest.approx(math.sqrt(29))
+    assert record["mean"] == pytest.approx(1 / 5)
+    assert record["std"] == pytest.approx(math.sqrt(7.2))
+    assert record["max_abs"] == 4.0
+    assert record["mean_abs"] == pytest.approx(9 / 5)
+    assert record["zero_frac"] == pytest.approx(2 / 5)
+    assert record["nonfinite"] == 0
+    assert (record["missing"], record["frozen"], record["accumulations"]) == (False, False, 1)
+    # 4 bins over [-4, 3] have edges -4, -2.25, -0.5, 1.25, 3: {-4}, {}, {0, 0}, {2, 3}.
+    assert (record["hist_lo"], record["hist_hi"]) == (-4.0, 3.0)
+    assert record["hist_counts"] == [1, 0, 2, 2]
+
+
+def test_cheap_steps_leave_the_expensive_statistics_out():
+    model = Weighted()
+    with GradTracer(model, full_every=2) as tracer:
+        for _ in range(2):
+            model(torch.tensor(GRAD_OF_WEIGHT)).backward()
+            tracer.step()
+    full, cheap = tracer.history()
+    assert full["zero_frac"] == pytest.approx(2 / 5)
+    expensive = ("max_abs", "mean_abs", "zero_frac", "hist_counts", "hist_lo", "hist_hi")
+    assert [cheap[key] for key in expensive] == [None] * len(expensive)
+    # weight.grad accumulated over both steps (never zeroed): the second step sees 2x.
+    assert cheap["norm"] == pytest.approx(2 * math.sqrt(29))
+    assert cheap["mean"] == pytest.approx(2 / 5)
+    assert cheap["std"] == pytest.approx(2 * math.sqrt(7.2))
+
+
+def test_history_records_carry_the_public_keys():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradTracer(model, optimizer) as tracer:
+        train_steps(model, optimizer, 2)
+    records = tracer.history()
+    assert {"step", "param", "norm", "std", "zero_frac", "nonfinite", "missing"} <= set(records[0])
+    assert [(r["step"], r["param"]) for r in records[:5]] == [
+        (0, "0.weight"), (0, "0.bias"), (0, "2.weight"), (0, "2.bias"), (1, "0.weight"),
+    ]  # fmt: skip
+    frame = tracer.frame()
+    assert list(frame.columns) == list(HISTORY_KEYS)
+    assert len(frame) == 8
+
+
+@pytest.mark.parametrize("full_every", [0, 1])
+def test_nonfinite_values_are_counted_and_alerted(full_every):
+    model = Weighted(4)
+    with GradTracer(model, full_every=full_every) as tracer:
+        model(torch.tensor([math.inf, math.nan, 1.0, 2.0])).backward()
+        tracer.step()
+    (record,) = tracer.history()
+    assert record["nonfinite"] == 2
+    (alert,) = tracer.alerts()
+    assert (alert.kind, alert.step, alert.name, alert.value) == ("nonfinite", 0, "weight", 2.0)
+    assert "2 non-finite" in str(alert) and "of 4" in str(alert)
+
+
+def test_half_precision_gradients_are_reduced_without_overflow():
+    model = Weighted(4).half()
+    with GradTracer(model, full_every=0) as tracer:
+        # 300^2 * 4 = 360000 overflows float16 (max 65504); the tracer must not.
+        model(torch.full((4,), 300.0, dtype=torch.float16)).backward()
+        tracer.step()
+    (record,) = tracer.history()
+    assert record["norm"] == pytest.approx(600.0)
+    assert record["nonfinite"] == 0
+
+
+# ------------------------------------------------------------------ step boundary
+
+
+def test_four_micro_batches_give_one_record_per_parameter_per_step():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    micro_batches = torch.randn(4, 8, 4)
+    with GradTracer(model, optimizer) as tracer:
+        for _ in range(3):
+            optimizer.zero_grad()
+            for inputs in micro_batches:
+                (model(inputs).pow(2).mean() / 4).backward()
+            optimizer.step()
+    records = tracer.history()
+    assert len(records) == 3 * 4
+    assert {r["accumulations"] for r in records} == {4}
+    # The record is the accumulated gradient the optimizer stepped on, not one micro-batch's.
+    last_weight = [r for r in records if r["param"] == "2.weight"][-1]
+    assert last_weight["norm"] == pytest.approx(model[2].weight.grad.norm().item(), rel=1e-5)
+
+
+def record_host_reads(monkeypatch) -> list[str]:
+    """Patch every Tensor method that copies values to the host to log its name when called."""
+    reads = []
+
+    def logging(name, original):
+        def logged(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+
+        return logged
+
+    for name in ("tolist", "item", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, logging(name, getattr(torch.Tensor, name)))
+    return reads
+
+
+def test_each_step_reads_the_device_once(monkeypatch):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    host_reads = record_host_reads(monkeypatch)
+    with GradTracer(model, optimizer, full_every=2, activations=True, update_ratio=True):
+        train_steps(model, optimizer, 3)
+    assert host_reads == ["tolist"] * 3
+
+
+def test_step_without_optimizer_is_called_by_hand_and_doubled_steps_are_refused():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradTracer(model) as tracer:
+        train_steps(model, optimizer, 3)
+        assert tracer.steps == 0
+        tracer.step()
+        assert tracer.steps == 1
+    with GradTracer(model, optimizer) as tracer, pytest.raises(LabkitError, match="twice"):
+        tracer.step()
+
+
+# ------------------------------------------------------------------ missing gradients
+
+
+def test_frozen_and_detached_parameters_are_reported_missing():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 3), "detached": nn.Linear(3, 3), "frozen": nn.Linear(3, 3)})
+    model["frozen"].requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = torch.randn(5, 3)
+    with GradTracer(model, optimizer) as tracer:
+        optimizer.zero_grad()
+        hidden = model["detached"](inputs).detach()
+        (model["used"](hidden) + model["frozen"](inputs)).sum().backward()
+        optimizer.step()
+    by_name = {r["param"]: r for r in tracer.history()}
+    assert not by_name["used.weight"]["missing"]
+    assert by_name["detached.weight"]["missing"] and not by_name["detached.weight"]["frozen"]
+    assert by_name["frozen.weight"]["missing"] and by_name["frozen.weight"]["frozen"]
+    assert by_name["detached.weight"]["norm"] is None
+    # A frozen parameter is a decision; a detached one is a bug, and only it raises an alert.
+    assert {a.name for a in tracer.alerts("missing")} == {"detached.weight", "detached.bias"}
+    assert "step 0" in str(tracer.alerts("missing")[0])
+
+
+def test_stale_zero_gradients_do_not_hide_a_missing_gradient():
+    model = nn.ModuleDict({"used": nn.Linear(2, 1), "unused": nn.Linear(2, 1)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)  # what zero_grad(set_to_none=False) leaves behind
+    with GradTracer(model, optimizer) as tracer:
+        model["used"](torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    missing = {r["param"] for r in tracer.history() if r["missing"]}
+    assert missing == {"unused.weight", "unused.bias"}
+
+
+# ------------------------------------------------------------------ hooks' lifetime
+
+
+def test_every_hook_is_removed_on_exit():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradTracer(model, optimizer, activations=True, update_ratio=True) as tracer:
+        assert hooks_left(model, optimizer) > 0
+        train_steps(model, optimizer, 2)
+    assert hooks_left(model, optimizer) == 0
+    train_steps(model, optimizer, 2)
+    assert tracer.steps == 2
+
+
+def test_every_hook_is_removed_when_the_traced_code_raises():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(ZeroDivisionError):
+        with GradTracer(model, optimizer, activations=True, update_ratio=True):
+            train_steps(model, optimizer, 1)
+            1 / 0
+    assert hooks_left(model, optimizer) == 0
+    with GradTracer(model, optimizer) as second:  # the model is free for a new tracer
+        train_steps(model, optimizer, 1)
+    assert second.steps == 1
+
+
+def test_ten_thousand_steps_do_not_grow_memory():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs = torch.randn(16, 4)
+    tracemalloc.start()
+    try:
+        with GradTracer(model, optimizer, max_steps=100, full_every=50) as tracer:
+            train_steps(model, optimizer, 2_000, inputs)
+            after_2k = tracemalloc.get_traced_memory()[0]
+            train_steps(model, optimizer, 8_000, inputs)
+            after_10k = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert tracer.steps == 10_000
+    assert len(tracer.history()) == 100 * 4
+    assert tracer.history()[0]["step"] == 9_900
+    # A leak of one small object per step would add >= 8000 * 56 bytes here.
+    assert after_10k - after_2k < 64 * 1024
+
+
+# ------------------------------------------------------------------ clear errors
+
+
+def test_a_model_without_parameters_is_refused():
+    with pytest.raises(LabkitError, match="no parameters"):
+        GradTracer(nn.ReLU())
+
+
+def test_two_tracers_on_one_model_are_refused():
+    model = small_mlp()
+    with GradTracer(model):
+        with pytest.raises(LabkitError, match="already has a GradTracer"):
+            with GradTracer(model):
+                pass
+        with pytest.raises(LabkitError, match="already has a GradTracer"):
+            GradTracer(model[0]).__enter__()  # a submodule shares the parameters
+
+
+def test_reading_before_any_backward_is_refused():
+    model = small_mlp()
+    with GradTracer(model) as tracer:
+        with pytest.raises(LabkitError, match="no gradient statistics yet"):
+            tracer.history()
+        model(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(LabkitError, match=r"tracer\.step\(\)"):
+            tracer.alerts()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"update_ratio": True}, "needs the optimizer"),
+        ({"full_every": -1}, "full_every"),
+        ({"max_steps": 0}, "max_steps"),
+    ],
+)
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(LabkitError, match=message):
+        GradTracer(small_mlp(), **options)
+
+
+# ------------------------------------------------------------------ alerts
+
+
+def test_a_gradient_ten_times_its_baseline_raises_an_exploding_alert():
+    model = Weighted(2)
+    with GradTracer(model, full_every=0) as tracer:
+        for scale in [1.0] * 6 + [50.0]:
+            model.weight.grad = None
+            model(torch.tensor([scale, 0.0])).backward()
+            tracer.step()
+    (alert,) = tracer.alerts()
+    assert (alert.kind, alert.step, alert.name, alert.value) == ("exploding", 6, "weight", 50.0)
+    assert alert.limit == pytest.approx(10.0)
+    assert "50x its rolling median 1" in str(alert)
+
+
+def test_a_layer_far_below_the_largest_gradient_raises_a_vanishing_alert():
+    model = nn.ModuleDict({"deep": Weighted(2), "top": Weighted(2)})
+    with GradTracer(model, vanish_ratio=1e-3) as tracer:
+        (model["deep"](torch.tensor([1e-5, 0.0])) + model["top"](torch.tensor([1.0, 1.0]))).backward()
+        tracer.step()
+    (alert,) = tracer.alerts()
+    assert (alert.kind, alert.name) == ("vanishing", "deep.weight")
+    assert alert.value == pytest.approx(1e-5 / math.sqrt(2))
+
+
+def test_relu_units_that_never_fire_raise_a_dead_units_alert():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.copy_(torch.tensor([-1.0, -1.0, -1.0, 1.0]))
+    with GradTracer(model, activations=True) as tracer:
+        model(torch.randn(8, 3)).sum().backward()
+        tracer.step()
+    relu = [r for r in tracer.activation_history() if r["kind"] == "ReLU"][0]
+    assert relu["dead"] == 0.75
+    (alert,) = tracer.alerts("dead_units")
+    assert (alert.name, alert.step, alert.value) == ("1", 0, 0.75)
+
+
+def test_alerts_are_kept_only_for_the_steps_the_history_keeps():
+    model = nn.ModuleDict({"used": Weighted(2), "unused": Weighted(2)})
+    with GradTracer(model, max_steps=3) as tracer:
+        for _ in range(10):
+            model["used"](torch.ones(2)).backward()
+            tracer.step()
+    assert [a.step for a in tracer.alerts("missing")] == [7, 8, 9]
+
+
+# ------------------------------------------------------------------ activations and updates
+
+
+def test_activation_statistics_match_the_outputs():
+    model = nn.Sequential(nn.Linear(2, 4), nn.Tanh())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 0.0], [3.0, 0.0], [-3.0, 0.0], [0.1, 0.0]]))
+        model[0].bias.zero_()
+    inputs = torch.tensor([[1.0, 5.0], [1.0, -5.0]])
+    with GradTracer(model, activations=True) as tracer:
+        outputs = model(inputs)
+        outputs.sum().backward()
+        with torch.no_grad():
+            model(inputs * 100)  # evaluation under no_grad must not count
+        tracer.step()
+    tanh = [r for r in tracer.activation_history() if r["module"] == "1"][0]
+    # tanh(+-3) = +-0.995 have derivative 0.0099 < 2 % of 1; tanh(1), tanh(0.1) do not.
+    assert tanh["saturated"] == 0.5
+    assert tanh["calls"] == 1
+    assert tanh["mean"] == pytest.approx(outputs.mean().item())
+    assert tanh["std"] == pytest.approx(outputs.std().item())
+
+
+def test_update_ratio_is_the_step_size_over_the_weight_size():
+    model = Weighted(2)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([3.0, 4.0]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradTracer(model, optimizer, update_ratio=True) as tracer:
+        model(torch.tensor([1.0, 0.0])).backward()
+        optimizer.step()
+    (record,) = tracer.history()
+    assert record["update_ratio"] == pytest.approx(0.1 * 1.0 / 5.0)
+
+
+# ------------------------------------------------------------------ plots
+
+
+def test_plots_return_figures():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradTracer(model, optimizer, full_every=2) as tracer:
+        train_steps(model, optimizer, 3)
+    flow = plot_grad_flow(tracer)
+    assert isinstance(flow, matplotlib.figure.Figure)
+    assert "step 2" in flow.axes[0].get_title()
+    assert len(flow.axes[0].patches) == 2 * 4  # max |g| and mean |g| per parameter
+    over_steps = plot_grad_stat(tracer.history(), "std", params=["0.weight", "2.weight"])
+    assert over_steps.axes[0].get_yscale() == "log"
+    assert len(over_steps.axes[0].lines) == 2
+    histograms = plot_grad_histograms(tracer, step=0)
+    assert sum(ax.get_visible() for ax in histograms.axes) == 4
+
+
+def test_plots_explain_what_is_missing():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradTracer(model, optimizer, full_every=0) as tracer:
+        train_steps(model, optimizer, 1)
+    with pytest.raises(LabkitError, match="full_every"):
+        plot_grad_flow(tracer)
+    with pytest.raises(LabkitError, match="unknown statistic"):
+        plot_grad_stat(tracer, "median")
+    with pytest.raises(LabkitError, match="no step recorded 'max_abs'"):
+        plot_grad_stat(tracer, "max_abs")
+
+
+# ------------------------------------------------------------------ compare_grads
+
+
+def grads_of(model: nn.Module, inputs: torch.Tensor) -> nn.Module:
+    model.zero_grad()
+    model(inputs).pow(2).sum().backward()
+    return model
+
+
+def test_compare_grads_tells_exact_close_and_different_apart():
+    torch.manual_seed(0)
+    inputs = torch.randn(6, 4)
+    first = grads_of(small_mlp(), inputs)
+    same = compare_grads(first, grads_of(small_mlp(), inputs))
+    assert same.all_exact and same.all_close
+    double = compare_grads(first, grads_of(small_mlp().double(), inputs.double()))
+    assert double.all_close and not double.all_exact
+    assert all(row.dtype_b == "float64" for row in double.rows)
+    shifted = {n: p.grad.clone() for n, p in first.named_parameters()}
+    shifted["2.bias"] += 0.5
+    report = compare_grads(first, shifted)
+    bias = [row for row in report.rows if row.name == "2.bias"][0]
+    assert not report.all_close and not bias.close
+    assert bias.max_abs_diff == pytest.approx(0.5)
+    original = first[2].bias.grad.item()
+    assert bias.max_rel_diff == pytest.approx(0.5 / max(abs(original), abs(original + 0.5)))
+    assert report.records()[3]["name"] == "2.bias"
+    assert str(report).splitlines()[1].split() == ["name", "exact", "approx", "maxdiff", "maxrel"]
+
+
+def test_compare_grads_refuses_mismatched_sides():
+    grad = torch.ones(3)
+    with pytest.raises(LabkitError, match="only in a: \\['x'\\]"):
+        compare_grads({"x": grad, "y": grad}, {"y": grad})
+    with pytest.raises(LabkitError, match="shape"):
+        compare_grads({"x": grad}, {"x": torch.ones(4)})
+    with pytest.raises(LabkitError, match="no gradient"):
+        compare_grads(small_mlp(), small_mlp())
+
+
+# ------------------------------------------------------------------ autograd graph
+
+
+def test_graph_lists_nodes_saved_tensors_and_the_cut_parameters():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"first": nn.Linear(4, 3), "second": nn.Linear(3, 2), "frozen": nn.Linear(4, 2)})
+    model["frozen"].requires_grad_(False)
+    inputs = torch.randn(5, 4)
+    loss = (model["second"](model["first"](inputs).detach().relu()) + model["frozen"](inputs)).sum()
+    graph = autograd_graph(loss, model.named_parameters())
+    assert graph.nodes[0].name == "SumBackward0"
+    assert sorted(graph.leaves) == ["second.bias", "second.weight"]
+    assert graph.unreachable_params == ("first.weight", "first.bias")
+    assert graph.frozen_params == ("frozen.weight", "frozen.bias")
+    addmm = [n for n in graph.nodes if n.name == "AddmmBackward0"][0]
+    # second(relu(h)) saves its input: 5 x 3 float32 values = 60 bytes.
+    assert [(s.name, s.shape, s.dtype, s.nbytes) for s in addmm.saved] == [("mat1", (5, 3), "float32", 60)]
+    assert all(graph.nodes[dst].depth > graph.nodes[src].depth for src, dst in graph.edges)
+    dot = graph.to_dot()
+    assert dot.startswith("digraph") and dot.count("->") == len(graph.edges)
+    assert "first.weight\\n(unreachable)" in dot
+    figure = graph.draw()
+    assert isinstance(figure, matplotlib.figure.Figure)
+    labels = {text.get_text() for text in figure.axes[0].texts}
+    assert {"SumBackward0", "second.weight", "first.weight\n(unreachable)", "frozen.bias\n(frozen)"} <= labels
+
+
+def test_graph_after_backward_says_saved_tensors_were_freed():
+    weight = torch.randn(3, requires_grad=True)
+    loss = (weight * weight).sum()
+    loss.backward()
+    graph = autograd_graph(loss, {"weight": weight})
+    mul = [n for n in graph.nodes if n.name == "MulBackward0"][0]
+    assert mul.freed and mul.saved == ()
+    assert graph.edges.count((1, 2)) == 2  # weight enters the product twice
+
+
+def test_graph_needs_a_tensor_with_a_grad_fn():
+    with pytest.raises(LabkitError, match="no grad_fn"):
+        autograd_graph(torch.ones(2))
