@@ -1,0 +1,191 @@
+"""Checks for the exercises of 05_batchnorm_finetuning.
+
+05.1 asks for a training mode in which every BatchNorm layer stays in eval mode with its affine
+parameters frozen (the planted bug calls `model.train()` alone, so the running statistics follow the
+fine-tuning batches: claims D2 and D4). 05.2 asks for a precise re-estimate of BatchNorm running
+statistics on new data (the planted bug runs a few batches in train mode, so the exponential average
+keeps most of the old statistics: claim D4). Fixtures are float64 on the CPU and their new data is
+shifted far from the statistics the layers hold, because that is when the bugs bite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.exercises import NotYet, exercise
+
+NOTEBOOK = "05_batchnorm_finetuning"
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# The fixture's new data sits SHIFT standard deviations away from what the layers saw before.
+SHIFT = 3.0
+# 05.2: 96 rows in batches of 32, so an average over batches is the average over rows.
+ROWS, BATCH = 96, 32
+# A recalibrated mean within 0.1 std and a variance within 25 % of the data's own; the planted bug
+# keeps 0.9 ** 3 = 73 % of the stale statistics and misses by about two standard deviations.
+MEAN_TOLERANCE = 0.1
+VARIANCE_RATIO = (0.75, 1.33)
+
+
+def _batchnorm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, BATCHNORMS)]
+
+
+def _mode_fixture() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3),
+    ).double()
+    # As a script would leave it after evaluating: everything in eval mode.
+    return model.eval()
+
+
+@exercise(
+    "05.1",
+    notebook=NOTEBOOK,
+    title="train mode, with BatchNorm frozen",
+    hint=(
+        "call model.train(), then walk model.modules(): every BatchNorm1d/2d/3d goes back to .eval() and "
+        "its weight and bias get requires_grad_(False)"
+    ),
+)
+def check_set_finetune_mode(set_finetune_mode: Callable) -> str:
+    """The model trains (dropout on, other weights trainable) while BatchNorm statistics stay put."""
+    model = _mode_fixture()
+    set_finetune_mode(model)
+    _require_training_except_batchnorm(model)
+    _require_frozen_batchnorm(model)
+    _require_statistics_unchanged_by_training(model)
+    return (
+        "dropout and every other layer train, while both BatchNorm layers keep their running statistics "
+        "through a training step on shifted data and their weight and bias stay frozen"
+    )
+
+
+def _require_training_except_batchnorm(model: nn.Module) -> None:
+    if not model.training:
+        raise NotYet("the model is not in training mode, so its dropout layer is switched off")
+    for name, module in model.named_modules():
+        if not isinstance(module, BATCHNORMS) and not module.training:
+            raise NotYet(f"module '{name or '(model)'}' ({type(module).__name__}) is in eval mode; only BatchNorm should be")
+    for name, parameter in model.named_parameters():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if not isinstance(owner, BATCHNORMS) and not parameter.requires_grad:
+            raise NotYet(f"'{name}' was frozen too; only the BatchNorm weight and bias should be")
+
+
+def _require_frozen_batchnorm(model: nn.Module) -> None:
+    for name, layer in _batchnorm_layers(model):
+        if layer.training:
+            raise NotYet(
+                f"BatchNorm layer '{name}' is in training mode, so every forward pass moves its running "
+                "statistics towards the fine-tuning batches"
+            )
+        if layer.weight.requires_grad or layer.bias.requires_grad:
+            raise NotYet(f"BatchNorm layer '{name}' still trains its weight or bias")
+
+
+def _require_statistics_unchanged_by_training(model: nn.Module) -> None:
+    layers = _batchnorm_layers(model)
+    before = [(layer.running_mean.clone(), layer.running_var.clone()) for _, layer in layers]
+    generator = torch.Generator().manual_seed(1)
+    x = SHIFT + torch.randn(6, 1, 4, 4, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=generator)
+    F.cross_entropy(model(x), y).backward()
+    for (name, layer), (mean, var) in zip(layers, before):
+        if not (torch.equal(layer.running_mean, mean) and torch.equal(layer.running_var, var)):
+            raise NotYet(f"a training step on shifted data changed the running statistics of '{name}'")
+    if model[0].weight.grad is None:
+        raise NotYet("after a training step the first convolution got no gradient; the rest of the model must still train")
+
+
+def _recalibration_fixture() -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 6), nn.BatchNorm1d(6),
+    ).double()
+    generator = torch.Generator().manual_seed(2)
+    old_data = torch.randn(200, 5, generator=generator, dtype=torch.float64)
+    _exact_statistics(model, old_data)
+    for _, layer in _batchnorm_layers(model):
+        layer.momentum = 0.1
+    new_data = SHIFT + 1.5 * torch.randn(ROWS, 5, generator=generator, dtype=torch.float64)
+    return model.eval(), new_data
+
+
+def _exact_statistics(model: nn.Module, x: torch.Tensor) -> None:
+    """The old statistics: a cumulative average over one batch of all of `x`."""
+    for _, layer in _batchnorm_layers(model):
+        layer.reset_running_stats()
+        layer.momentum = None
+    model.train()
+    with torch.no_grad():
+        model(x)
+
+
+def _eval_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    captured = []
+    handles = [layer.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+               for _, layer in _batchnorm_layers(model)]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+@exercise(
+    "05.2",
+    notebook=NOTEBOOK,
+    title="re-estimate BatchNorm statistics on new data",
+    hint=(
+        "for each BatchNorm layer: reset_running_stats() and momentum=None (a plain average over batches); "
+        "run every batch under torch.no_grad() with only the BatchNorm layers in train mode; then restore "
+        "each momentum and call model.eval()"
+    ),
+)
+def check_recalibrate_batchnorm(recalibrate_batchnorm: Callable) -> str:
+    """Running statistics must match the new data's; parameters, gradients and momenta stay as they were."""
+    model, new_data = _recalibration_fixture()
+    parameters = [p.detach().clone() for p in model.parameters()]
+    momenta = [layer.momentum for _, layer in _batchnorm_layers(model)]
+    recalibrate_batchnorm(model, new_data, BATCH)
+    if any(module.training for module in model.modules()):
+        raise NotYet("the model is not back in eval mode afterwards", hint="finish with model.eval()")
+    if not all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), parameters)):
+        raise NotYet("a parameter changed; recalibration may only change the running statistics")
+    if any(p.grad is not None for p in model.parameters()):
+        raise NotYet("a parameter has a gradient now; statistics need forward passes only",
+                     hint="run the batches under torch.no_grad()")
+    after = [layer.momentum for _, layer in _batchnorm_layers(model)]
+    if after != momenta:
+        raise NotYet(f"the layers' momentum is {after} afterwards, but was {momenta}",
+                     hint="remember each momentum before setting it to None, and put it back at the end")
+    for (name, layer), inputs in zip(_batchnorm_layers(model), _eval_inputs(model, new_data)):
+        _require_statistics_of(name, layer, inputs)
+    return (
+        f"both BatchNorm layers hold the statistics of the new data (within {MEAN_TOLERANCE:g} std), "
+        "with parameters, gradients and momenta untouched and the model in eval mode"
+    )
+
+
+def _require_statistics_of(name: str, layer: nn.Module, inputs: torch.Tensor) -> None:
+    true_mean, true_var = inputs.mean(0), inputs.var(0)
+    mean_error = ((layer.running_mean - true_mean).abs() / true_var.sqrt()).max().item()
+    if not mean_error <= MEAN_TOLERANCE:
+        raise NotYet(
+            f"the running mean of '{name}' is {mean_error:.2f} std away from the mean of the new data; an "
+            "exponential average over a few batches still remembers the old statistics"
+        )
+    ratio = layer.running_var / true_var
+    low, high = ratio.min().item(), ratio.max().item()
+    if not (VARIANCE_RATIO[0] <= low and high <= VARIANCE_RATIO[1]):
+        raise NotYet(
+            f"the running variance of '{name}' is {low:.2f}x to {high:.2f}x the variance of the new data"
+        )
