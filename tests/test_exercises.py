@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 FIXTURES = ROOT / "tests" / "fixtures" / "notebooks"
 # The lead asked for each check to stay under a second, so a notebook's exercise cells stay snappy.
-CHECK_SECONDS = 1.0
+CHECK_SECONDS = 1.0  # of CPU time, all threads together
 
 
 def notebook_paths(folder: Path) -> list[Path]:
@@ -59,10 +59,11 @@ def test_the_fixture_notebook_provides_exercises():
 def test_solution_passes_its_check_quickly_and_deterministically(cells):
     answer = define(cells.solution, cells.function)
     first = grading.run_check(cells.exercise, answer)
-    started = time.perf_counter()
-    # The second run is timed: the first may pay one-off imports (torch.optim takes ~1 s on first use).
+    # CPU time of the second run: the first may pay one-off imports (torch.optim takes ~1 s on first
+    # use), and wall time on a shared machine measures the neighbours, not the check.
+    started = time.process_time()
     second = grading.run_check(cells.exercise, answer)
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     assert first.passed, first.message
     assert first.message.startswith(f"✓ Exercise {cells.exercise} passed: ")
     assert second == first
