@@ -1,0 +1,127 @@
+"""Checks for the exercises of 08_gradient_health (cases L2 and L1).
+
+08.1 asks for hooks that record each parameter's *accumulated* gradient norm (the planted bug uses
+`Tensor.register_hook`, which sees only the gradient of the current backward pass, so it is wrong
+as soon as gradients accumulate over micro-batches). 08.2 asks for a spike alert that fires on a
+non-finite reading and ignores non-finite readings in its baseline (the planted bug is the NumPy
+monitor's rule, blind to NaN).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from labkit.exercises import NotYet, exercise
+
+NOTEBOOK = "08_gradient_health"
+MICRO_BATCHES = 3
+TOLERANCE = 1e-9
+
+
+@exercise(
+    "08.1",
+    notebook=NOTEBOOK,
+    title="read the accumulated gradient",
+    hint=(
+        "register param.register_post_accumulate_grad_hook(hook): PyTorch calls hook(param) after the "
+        "backward pass has added into param.grad, so read param.grad.norm() there"
+    ),
+)
+def check_record_grad_norms(record_grad_norms: Callable) -> str:
+    """After k micro-batch backward passes the dict must hold every parameter's .grad norm; removing
+    the handles must stop the recording."""
+    model, batches = _accumulation_fixture()
+    result = record_grad_norms(model)
+    norms, handles = _unpack(result)
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+    expected = {name: p.grad.norm().item() for name, p in model.named_parameters()}
+    _require_norms(norms, expected)
+    for handle in handles:
+        handle.remove()
+    frozen = dict(norms)
+    nn.functional.mse_loss(model(batches[0][0]), batches[0][1]).backward()
+    if norms != frozen:
+        raise NotYet("after every handle was removed, another backward pass still changed the recorded norms")
+    return (
+        f"after {MICRO_BATCHES} accumulated backward passes every recorded norm equals the norm of .grad, "
+        "and removing the handles stops the recording"
+    )
+
+
+def _accumulation_fixture() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(8)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+    batches = [
+        (torch.randn(6, 5, generator=generator, dtype=torch.float64), torch.randn(6, 2, generator=generator, dtype=torch.float64))
+        for _ in range(MICRO_BATCHES)
+    ]  # fmt: skip
+    return model, batches
+
+
+def _unpack(result: object) -> tuple[dict, list]:
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], dict)):
+        raise NotYet(f"expected (norms, handles): a dict and a list of hook handles, got {type(result).__name__}")
+    norms, handles = result
+    if not all(hasattr(handle, "remove") for handle in handles):
+        raise NotYet("the second item must be the handles the register_* calls returned (each has .remove())")
+    return norms, list(handles)
+
+
+def _require_norms(norms: dict, expected: dict[str, float]) -> None:
+    missing = sorted(set(expected) - set(norms))
+    if missing:
+        raise NotYet(f"no norm was recorded for {missing}; key the dict by the names from model.named_parameters()")
+    for name, want in expected.items():
+        got = norms[name]
+        if not isinstance(got, float):
+            raise NotYet(f"the value stored for '{name}' is a {type(got).__name__}; store a float (use .item())")
+        if abs(got - want) > TOLERANCE * max(1.0, want):
+            raise NotYet(
+                f"after {MICRO_BATCHES} micro-batches '{name}' was recorded as {got:.6g}, but its accumulated .grad "
+                f"has norm {want:.6g}: the hook saw only one backward pass's gradient"
+            )
+
+
+@exercise(
+    "08.2",
+    notebook=NOTEBOOK,
+    title="a spike alert that sees NaN",
+    hint=(
+        "test math.isfinite(current) first (NaN > x is always False), and build the baseline from the finite "
+        "readings only, so one NaN in the history does not make the mean NaN"
+    ),
+)
+def check_spike_alert(spike_alert: Callable) -> str:
+    """Table-driven: finite spikes, NaN and inf readings, NaN in the history, short histories."""
+    calm = [1.0, 1.1, 0.9, 1.0, 1.0]
+    cases = [
+        ("a reading 3.5x the baseline", calm, 3.5, True),
+        ("a reading 2x the baseline", calm, 2.0, False),
+        ("a NaN reading", calm, math.nan, True),
+        ("an infinite reading", calm, math.inf, True),
+        ("a 10x reading after a NaN entered the history", calm + [math.nan], 10.0, True),
+        ("a 2x reading after a NaN entered the history", calm + [math.nan], 2.0, False),
+        ("a 10x reading with only 4 finite readings so far", [1.0, math.nan, 1.0, 1.0, 1.0], 10.0, False),
+        ("a NaN reading with an empty history", [], math.nan, True),
+        ("a 10x reading over the last 5 of a longer history", [50.0, 50.0] + calm, 10.0, True),
+    ]
+    for label, history, current, expected in cases:
+        given = list(history)
+        answer = spike_alert(given, current)
+        if not _same_with_nan(given, history):
+            raise NotYet(f"for {label}, your function changed the history list it was given")
+        if answer not in (True, False) or bool(answer) is not expected:
+            raise NotYet(f"for {label}, your function returned {answer!r}; expected {expected}")
+    return f"all {len(cases)} cases right: NaN and inf readings alert, and a NaN in the history no longer blinds the baseline"
+
+
+def _same_with_nan(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
