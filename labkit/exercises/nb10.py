@@ -1,0 +1,199 @@
+"""Checks for the exercises of 10_mixed_precision (cases G2 and G4).
+
+10.1 asks for one fp16 autocast step with a `GradScaler` (the planted bug calls `optimizer.step()`
+on gradients still multiplied by the loss scale). 10.2 asks for a scaler step whose scale can never
+be left below a floor (the planted bug lets a long NaN burst drive the scale to 0, after which a
+clean step writes NaN into the parameters). Both fixtures run on the CPU: `GradScaler("cpu")` and
+CPU autocast, which supports fp16.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.amp import GradScaler
+
+from labkit.exercises import NotYet, exercise
+
+NOTEBOOK = "10_mixed_precision"
+LEARNING_RATE = 0.1
+FEATURES, CLASSES, BATCH = 8, 4, 16
+TOLERANCE = 1e-6
+
+
+@exercise(
+    "10.1",
+    notebook=NOTEBOOK,
+    title="one fp16 step with a loss scaler",
+    hint=(
+        "after scaler.scale(loss).backward(), call scaler.step(optimizer) (it unscales the gradients and skips a "
+        "step whose gradients are not finite) and then scaler.update()"
+    ),
+)
+def check_amp_step(amp_step: Callable) -> str:
+    """Three clean steps and one overflowing step must match the documented AMP recipe."""
+    batches = _amp_batches()
+    model, optimizer, scaler = _amp_fixture()
+    reference, ref_optimizer, ref_scaler = _amp_fixture()
+    for step, (x, y) in enumerate(batches, start=1):
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = amp_step(model, optimizer, scaler, x, y)
+        expected_loss = _reference_amp_step(reference, ref_optimizer, ref_scaler, x, y)
+        _require_float_loss(loss, expected_loss, step)
+        _require_same_step(model, reference, before, ref_scaler.get_scale(), step)
+        _require_same_scale(scaler, ref_scaler, step)
+    return (
+        f"{len(batches)} steps match autocast + scaler.step + scaler.update, including a skipped step "
+        "whose gradients overflowed"
+    )
+
+
+def _amp_fixture() -> tuple[nn.Module, torch.optim.Optimizer, GradScaler]:
+    torch.manual_seed(0)
+    model = nn.Linear(FEATURES, CLASSES)
+    return model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), GradScaler("cpu")
+
+
+def _amp_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(BATCH, FEATURES, generator=generator), torch.randint(0, CLASSES, (BATCH,), generator=generator))
+        for _ in range(4)
+    ]
+    # The third batch holds one huge input: its scaled gradient overflows fp16, so the step must be skipped.
+    overflowing = batches[2][0].clone()
+    overflowing[0, 0] = 3e4
+    batches[2] = (overflowing, batches[2][1])
+    return batches
+
+
+def _reference_amp_step(model, optimizer, scaler, x, y) -> float:
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.item()
+
+
+def _require_float_loss(loss: object, expected: float, step: int) -> None:
+    if not isinstance(loss, float):
+        raise NotYet(f"step {step} returned a {type(loss).__name__}, not the loss as a Python float",
+                     hint="return loss.item()")
+    if math.isfinite(expected):
+        matches = abs(loss - expected) <= 1e-3 * max(1.0, abs(expected))
+    else:
+        matches = not math.isfinite(loss)
+    if not matches:
+        raise NotYet(f"step {step} returned {loss:.4g}, but the fp16 autocast loss on that batch is {expected:.4g}")
+
+
+def _require_same_step(model, reference, before, scale: float, step: int) -> None:
+    after = [p.detach() for p in model.parameters()]
+    target = [p.detach() for p in reference.parameters()]
+    if _max_difference(after, target) <= TOLERANCE:
+        return
+    if not all(torch.isfinite(p).all() for p in after):
+        raise NotYet(f"after step {step} the parameters hold inf or NaN: an overflowing step must be skipped")
+    moved = _max_difference(after, before)
+    expected_move = _max_difference(target, before)
+    if expected_move == 0:
+        raise NotYet(f"step {step} overflowed in fp16 and must be skipped, but your step changed the parameters",
+                     hint="scaler.step(optimizer) skips the optimizer step when the scaled gradients are not finite")
+    if moved > 100 * expected_move:
+        raise NotYet(
+            f"step {step} moved the parameters about {moved / expected_move:.3g} times too far: the optimizer stepped "
+            f"with gradients still multiplied by the loss scale ({scale:g})"
+        )
+    raise NotYet(
+        f"after step {step} the parameters differ by {_max_difference(after, target):.2g} from one SGD step with "
+        "the forward under torch.autocast(x.device.type, dtype=torch.float16) and a GradScaler",
+        hint="zero the gradients, run the forward and the loss under autocast, then scale, backward, step, update",
+    )
+
+
+def _require_same_scale(scaler, reference, step: int) -> None:
+    if scaler.get_scale() != reference.get_scale():
+        raise NotYet(
+            f"after step {step} the loss scale is {scaler.get_scale():g}, but it should be {reference.get_scale():g}",
+            hint="call scaler.update() once at the end of every step: it backs off after an overflow and grows later",
+        )
+
+
+def _max_difference(first, second) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(first, second))
+
+
+FLOOR = 1.0
+PARAMETERS = 6
+
+
+@exercise(
+    "10.2",
+    notebook=NOTEBOOK,
+    title="a loss scale that cannot collapse",
+    hint=(
+        "after scaler.step(optimizer) and scaler.update(), read scaler.get_scale(); when it is below floor, call "
+        "scaler.update(float(floor)), which sets the scale to that value"
+    ),
+)
+def check_step_and_update(step_and_update: Callable) -> str:
+    """Clean steps must match a plain scaler; a NaN burst must leave the scale >= floor and the parameters finite."""
+    clean = _stream(nan_steps=0)
+    plain_scales, plain_param = _drive(_plain_step_and_update, clean)
+    floored_scales, floored_param = _drive(step_and_update, clean)
+    if floored_scales != plain_scales or not torch.equal(floored_param, plain_param):
+        raise NotYet(
+            "on a stream without NaN (one overflow, then clean steps) your function changed the scale or the "
+            "parameters compared with plain scaler.step + scaler.update; the floor must only act below it"
+        )
+    burst = _stream(nan_steps=200)
+    scales, param = _drive(step_and_update, burst, check_skips=True)
+    if not torch.isfinite(param).all():
+        raise NotYet("after a 200-step NaN burst the parameters hold NaN: the scale was allowed to reach 0, and "
+                     "unscaling a zero-scaled gradient divides 0 by 0")
+    lowest = min(scales)
+    if lowest < FLOOR:
+        raise NotYet(f"the scale was left at {lowest:g} after a step, below the floor {FLOOR:g}")
+    if torch.equal(param, _drive(step_and_update, burst[:-len(_CLEAN_TAIL)])[1]):
+        raise NotYet("after the burst the clean steps did not move the parameters: they must be taken again")
+    return (
+        "clean steps match a plain scaler exactly, and after a 200-step NaN burst the scale stayed at or above "
+        f"{FLOOR:g} and training resumed with finite parameters"
+    )
+
+
+_CLEAN_HEAD = [1e-3, 2e-3, 1e3, 1e-3, 2e-3, 1e-3]  # 1e3 overflows fp16 at the default scale: one backoff
+_CLEAN_TAIL = [1e-3, 2e-3, 1e-3]
+
+
+def _stream(nan_steps: int) -> list[torch.Tensor]:
+    values = _CLEAN_HEAD + [math.nan] * nan_steps + _CLEAN_TAIL
+    return [torch.full((PARAMETERS,), value) * torch.linspace(0.5, 1.5, PARAMETERS) for value in values]
+
+
+def _plain_step_and_update(scaler, optimizer, floor) -> None:
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def _drive(step_and_update: Callable, stream, check_skips: bool = False) -> tuple[list[float], torch.Tensor]:
+    """Each gradient is scaled and stored in fp16, as an fp16 backward would leave it, then handed over."""
+    param = torch.zeros(PARAMETERS, requires_grad=True)
+    optimizer = torch.optim.SGD([param], lr=LEARNING_RATE)
+    scaler = GradScaler("cpu")
+    scales = []
+    for gradient in stream:
+        before = param.detach().clone()
+        param.grad = scaler.scale(gradient).half().float()
+        step_and_update(scaler, optimizer, FLOOR)
+        if check_skips and gradient.isnan().any() and not torch.equal(param.detach(), before):
+            raise NotYet("a step whose gradient was NaN changed the parameters: it must be skipped",
+                         hint="keep scaler.step(optimizer): it skips steps whose gradients are not finite")
+        scales.append(scaler.get_scale())
+    return scales, param.detach().clone()
