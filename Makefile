@@ -9,9 +9,10 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanit
 NB ?=
 PREFER ?=
 NAME ?= workbook
+CHROMIUM := /usr/bin/chromium
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab notebooks workbook test test-unit test-notebooks test-gpu student bench repro clean
+.PHONY: help setup lab notebooks workbook test test-unit test-notebooks test-browser test-gpu student bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -33,12 +34,17 @@ notebooks: $(STAMP) ## re-execute notebooks in place and sync their py/ twins (N
 workbook: $(STAMP) ## run every notebook with papermill into runs/$(NAME)/ and write summary.md/.html
 	$(PY) -m labkit workbook $(NB) --out runs/$(NAME)
 
-test: $(STAMP) ## unit tests, then nbval over every notebook (what CI runs)
-	$(PY) -m pytest tests -q
+test: $(STAMP) ## unit tests, nbval over every notebook, then the workbook in a real browser (what CI runs)
+	$(PY) -m pytest tests -q --ignore=tests/browser
 	$(PY) -m pytest notebooks -q $(NBVAL)
+	$(MAKE) --no-print-directory test-browser
 
 test-unit: $(STAMP) ## only the unit tests
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --ignore=tests/browser
+
+test-browser: $(STAMP) ## JupyterLab in headless Chromium: Run All, move a slider (installs Debian's chromium as root)
+	@test -x $(CHROMIUM) || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || echo "Debian's chromium is missing and cannot be installed here: the browser tests skip (LABKIT_REQUIRE_BROWSER=1 makes that a failure)"
+	$(PY) -m pytest tests/browser -q
 
 test-notebooks: $(STAMP) ## only nbval over the notebooks (NB=05 for one)
 	$(PY) -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)

@@ -3,7 +3,7 @@
 Notebooks import this small public API; everything else is private to labkit.
 """
 
-from labkit import claims, datasets, distributed, grading, memory, probes, progress, repro
+from labkit import claims, datasets, distributed, explorers, grading, memory, probes, progress, repro
 from labkit.errors import LabkitError
 from labkit.readings import Reading
 from labkit.tracers import (
@@ -24,6 +24,7 @@ __all__ = [
     "compare_grads",
     "datasets",
     "distributed",
+    "explorers",
     "grading",
     "memory",
     "plot_grad_flow",

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import GradTracer, claims, compare_grads, datasets, grading, plot_grad_stat, repro
+from labkit import GradTracer, claims, compare_grads, datasets, explorers, grading, plot_grad_stat, repro
 from labkit.probes import fingerprint, format_fingerprint
 from labkit.progress import track
 
@@ -164,6 +164,52 @@ fixed_norms = [r["norm"] for r in fixed_history if r["param"] == "weight"]
 print(f"fixed: loss {fixed_losses[0]:.3g} -> {fixed_losses[-1]:.3g}; weight.grad norm {fixed_norms[0]:.3g} -> {fixed_norms[-1]:.3g}")
 print("the fixed loop ends with a lower loss:", fixed_losses[-1] < losses[-1] or not bug)
 
+
+# %% [markdown]
+# ## Explore: does a smaller learning rate cure a forgotten `zero_grad`?
+# Move the learning rate and the number of steps; each redraw trains both loops from the same start.
+# The controls appear when you run the cell in JupyterLab; the stored output is the default view.
+
+# %%
+def sgd_losses(forget_zero_grad, lr, steps):
+    """Loss per step of full-batch SGD on the regression task; on the CPU in float64, so the numbers match on every machine."""
+    torch.manual_seed(seed)
+    model = nn.Linear(features, 1).to(torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = datasets.regression(samples, features, seed=seed, dtype=torch.float64)
+    history = []
+    for _ in range(steps):
+        if not forget_zero_grad:
+            optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        history.append(loss.item())
+    return history
+
+
+def zero_grad_view(lr, steps):
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    for forget, name in ((False, "with zero_grad"), (True, "without zero_grad")):
+        history = sgd_losses(forget, lr, steps)
+        lowest = min(history)
+        axis.plot(range(1, steps + 1), history, label=name)
+        print(f"{name:<17} loss {history[0]:.3g} -> {history[-1]:.3g} "
+              f"(lowest {lowest:.3g}, at step {history.index(lowest) + 1})")
+    axis.set(yscale="log", xlabel="step", ylabel="MSE loss", title=f"learning rate {lr}, {steps} steps")
+    axis.legend()
+    return figure
+
+
+explorers.explore(zero_grad_view, lr=explorers.slider(0.05, 0.005, 0.2, 0.005, label="learning rate"),
+                  steps=explorers.slider(30, 10, 120, 10))
+
+
+# %% [markdown]
+# Without `zero_grad` the loss dips, then swings back up and keeps swinging: each step adds the new
+# gradient to every old one, which is SGD with momentum 1 and no damping. A smaller learning rate
+# does not cure it, it only slows the swing, and in a short run the broken loop can even look like
+# the faster learner (try learning rate 0.005 with 10 steps). Only clearing `.grad` makes it converge.
 
 # %% [markdown]
 # ## Run it your way

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributions import Normal
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 
-from labkit import GradTracer, autograd_graph, claims, compare_grads, datasets, grading, repro
+from labkit import GradTracer, autograd_graph, claims, compare_grads, datasets, explorers, grading, repro
 from labkit.probes import measure_time
 from labkit.progress import track
 
@@ -510,6 +510,48 @@ state_diff = (reproduced - one_by_one).abs().max().item()
 print(f"pack={not bug}: largest |h_n - per-sequence h_n| = {state_diff:.3g}")
 print(f"pack=True: h_n matches per-sequence h_n: {torch.allclose(fixed, one_by_one, rtol=1e-9, atol=1e-12)}")
 claims.metric("lstm_state_max_diff", round(state_diff, 6))
+
+
+# %% [markdown]
+# **Explore: how much padding can an unpacked LSTM take?** The three sequences of the reproduction
+# (lengths 6, 4 and 2), with extra zero steps after the padding. Solid lines are each sequence's
+# final hidden state run alone; dashed lines are its `h_n` read from the padded batch. Move the
+# extra padding with `pack=False`, then switch packing on. The controls appear when you run the cell
+# in JupyterLab; the stored output is the default view.
+
+# %%
+def padding_view(extra_padding, pack):
+    """h_n from the padded batch against h_n of each sequence alone; on the CPU, so the numbers match on every machine."""
+    lstm = make_lstm(False).cpu()
+    alone = [s.cpu() for s in sequences]
+    width = max(len(s) for s in alone) + extra_padding
+    batch_padded = torch.stack([F.pad(s, (0, 0, 0, width - len(s))) for s in alone])
+    with torch.no_grad():
+        truth = torch.stack([lstm(s[None])[1][0][-1, 0] for s in alone])
+        batched = final_hidden(lstm, batch_padded, torch.tensor([len(s) for s in alone]), pack)
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    units = range(1, truth.shape[1] + 1)
+    for i, s in enumerate(alone):
+        color = f"C{i}"
+        axis.plot(units, truth[i], color=color, marker="o", label=f"length {len(s)} alone")
+        axis.plot(units, batched[i], color=color, marker="x", linestyle="--", label=f"length {len(s)} in the batch")
+    axis.set(xlabel="hidden unit", ylabel="final hidden state h_n", xticks=list(units),
+             title=f"{extra_padding} extra padding steps, pack={pack}")
+    axis.legend(fontsize="small", ncol=3)
+    print(f"largest |h_n - h_n alone|: {(batched - truth).abs().max().item():.3f}")
+    print(f"largest distance between the three h_n: {torch.cdist(batched, batched).max().item():.3f} "
+          f"(run alone: {torch.cdist(truth, truth).max().item():.3f})")
+    return figure
+
+
+explorers.explore(padding_view, extra_padding=explorers.slider(5, 0, 20, label="extra padding steps"),
+                  pack=explorers.choice(False, [False, True], label="pack_padded_sequence"))
+
+# %% [markdown]
+# Every padding step feeds zeros through the LSTM, and zeros pull the state toward one fixed point
+# whatever came before: a few extra steps and the three final states nearly coincide, so a
+# classifier reading `h_n` sees almost the same input for every sequence. Packed, each `h_n` is the
+# state after its own last real step, for any amount of padding.
 
 # %% [markdown]
 # ## Case N5: is a hand-written ReLU backward 12 % faster than PyTorch's? (GPU only)
