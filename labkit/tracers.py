@@ -1033,6 +1033,12 @@ def _saved_tensors(fn: Any) -> tuple[tuple[SavedTensor, ...], bool]:
         try:
             value = getattr(fn, attribute)
         except RuntimeError as error:
+            if "modified by an inplace operation" in str(error):
+                raise LabkitError(
+                    f"{type(fn).__name__} saved a tensor that was modified in place after the forward "
+                    "(an optimizer.step() or an in-place op), so its saved values are gone: call "
+                    "autograd_graph right after the forward, before anything updates tensors in place"
+                ) from error
             if "freed" not in str(error):
                 raise
             return (), True

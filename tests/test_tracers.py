@@ -511,3 +511,13 @@ def test_graph_after_backward_says_saved_tensors_were_freed():
 def test_graph_needs_a_tensor_with_a_grad_fn():
     with pytest.raises(LabkitError, match="no grad_fn"):
         autograd_graph(torch.ones(2))
+
+
+def test_graph_of_a_forward_whose_saved_tensors_were_updated_in_place_is_a_clear_error():
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))  # the second layer saves its weight
+    loss = model(torch.randn(4, 3)).sum()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)  # what optimizer.step() does between a forward and a later look at its graph
+    with pytest.raises(LabkitError, match="modified in place after the forward"):
+        autograd_graph(loss, model.named_parameters())
