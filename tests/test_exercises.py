@@ -1,8 +1,7 @@
 """Every exercise, three ways: the solution passes its check, the student stub fails it as "not
 attempted yet", and the planted bug fails it. A check that passes on its planted bug fails here.
 
-Exercises are discovered in notebooks/NN_*.ipynb (the notebooks written so far) and in
-tests/fixtures/notebooks/, which holds the exercise cells before their real notebook exists.
+Exercises are discovered in notebooks/NN_*.ipynb.
 Each cell runs alone in a fresh copy of `grading.EXERCISE_NAMESPACE`, as AUTHORING.md promises.
 """
 
@@ -19,7 +18,6 @@ from labkit.errors import LabkitError
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-FIXTURES = ROOT / "tests" / "fixtures" / "notebooks"
 # The lead asked for each check to stay under a second, so a notebook's exercise cells stay snappy.
 CHECK_SECONDS = 1.0  # of CPU time, all threads together
 
@@ -34,7 +32,7 @@ def exercises_in(path: Path) -> dict[str, student.ExerciseCells]:
 
 def exercise_cases() -> list:
     cases = []
-    for path in notebook_paths(NOTEBOOKS) + notebook_paths(FIXTURES):
+    for path in notebook_paths(NOTEBOOKS):
         label = path.relative_to(ROOT).with_suffix("").as_posix()
         cases += [pytest.param(cells, id=f"{label}:{eid}") for eid, cells in exercises_in(path).items()]
     return cases
@@ -95,17 +93,10 @@ def registered_notebooks() -> list[str]:
 
 
 @pytest.mark.parametrize("notebook", registered_notebooks())
-def test_each_written_notebook_holds_exactly_its_registered_exercises(notebook):
+def test_each_registered_notebook_exists_and_holds_exactly_its_registered_exercises(notebook):
     path = NOTEBOOKS / f"{notebook}.ipynb"
-    if not path.exists():
-        pytest.skip(f"notebooks/{notebook}.ipynb is not written yet (tests/fixtures/notebooks stands in)")
+    assert path.exists(), f"exercises are registered for {notebook}, but notebooks/{notebook}.ipynb does not exist"
     registered = {eid for eid, spec in exercises.registry().items() if spec.notebook == notebook}
-    assert set(exercises_in(path)) == registered
-
-
-@pytest.mark.parametrize("path", notebook_paths(FIXTURES), ids=lambda path: path.stem)
-def test_each_fixture_notebook_holds_exactly_its_registered_exercises(path):
-    registered = {eid for eid, spec in exercises.registry().items() if spec.notebook == path.stem}
     assert set(exercises_in(path)) == registered
 
 

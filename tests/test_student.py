@@ -1,8 +1,7 @@
 """The student edition: no solution text survives, outputs are cleared, the parameters cell is kept,
 and every student notebook still runs top to bottom with its checks failing gracefully.
 
-The edition is generated from notebooks/ (whatever exists so far) and from the fixture notebooks in
-tests/fixtures/notebooks/, which stand in until the real notebooks are written.
+The edition is generated from the workbook's notebooks/.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from labkit.__main__ import main as labkit_main
 from labkit.errors import LabkitError
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "notebooks", ROOT / "tests" / "fixtures" / "notebooks"]
+SOURCES = [ROOT / "notebooks"]
 CELL_TIMEOUT_S = 600
 
 BUG = '# planted bug for exercise 00.1\ndef f(x):\n    return x\n'
@@ -210,7 +209,7 @@ def test_cli_writes_the_edition_and_reports_errors(tmp_path, capsys):
     assert "into the source folder" in capsys.readouterr().err
 
 
-# ---- the real edition (notebooks/ and the fixtures) ----------------------------------------------
+# ---- the real edition (notebooks/) ----------------------------------------------------------------
 
 
 def secret_lines(original: nbformat.NotebookNode, name: str) -> set[str]:
@@ -255,10 +254,12 @@ def editions(tmp_path_factory) -> dict[Path, Path]:
 
 
 def test_the_leak_detector_catches_an_unstubbed_notebook():
-    path = SOURCES[1] / "00_start_here.ipynb"
+    path = SOURCES[0] / "00_start_here.ipynb"
     original = nbformat.read(path, 4)
-    # A line that exists only in a solution, such as the call the planted bug forgets.
-    assert "optimizer.zero_grad()" in leaked_lines(original, original, path.name)
+    secrets = secret_lines(original, path.name)
+    # Every line unique to a solution, such as the autograd.grad call the planted bug of 00.2 lacks.
+    assert "(gradient,) = torch.autograd.grad((w * x).sum(), w)" in secrets
+    assert leaked_lines(original, original, path.name) == secrets
 
 
 @pytest.mark.parametrize("path", source_notebooks())
