@@ -8,7 +8,8 @@ Taught in ``13_memory``; the precision options of the analytic calculator in ``1
   number from per-layer formulas, line by line, plus parameters, gradients, master weights and
   optimizer state at a chosen precision (:func:`training_state`).
 * :func:`estimate_step_peak`: the steady-state peak of a whole training step, run on fake tensors
-  (nothing is allocated).
+  (nothing of the step is allocated), plus the private workspace of convolution and recurrent
+  kernels, measured one kernel call at a time.
 * :func:`measure_step_peak`, :func:`peak_bytes_during`, :func:`live_bytes_after_forward`: what the
   allocator really did. Every number is a :class:`~labkit.readings.Reading`; on a machine without
   CUDA a CUDA peak is "unavailable, because ...", never the 0 that ``torch.cuda.max_memory_allocated``
@@ -34,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -206,7 +207,7 @@ class MemoryReport:
         return "\n".join(lines)
 
     def plot(self, ax=None):
-        """A stacked bar of the rows; returns the matplotlib Figure."""
+        """A stacked bar of the rows; returns the matplotlib Figure (see :func:`plot_reports`)."""
         return plot_reports(self, ax=ax)
 
 
@@ -222,16 +223,20 @@ def plot_reports(*reports: MemoryReport, ax=None):
     """Side-by-side stacked bars, one per report, in MiB; returns the matplotlib Figure.
 
     Use it to put an estimate next to a measurement. Unavailable rows are left out of the bar and
-    named under it. Taught in ``13_memory``.
+    named under it. Without ``ax`` the figure is new and not left open in pyplot: it shows once as
+    a cell's last value in Jupyter (pyplot's import sets up the inline display), and in a script
+    ``.savefig(...)`` writes it. With ``ax`` it draws there. Taught in ``13_memory``.
     """
-    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     if not reports:
         raise LabkitError("plot_reports needs at least one MemoryReport")
     if ax is None:
-        figure = Figure(figsize=(2.5 + 2.0 * len(reports), 4.2), layout="constrained")
-        ax = figure.add_subplot()
+        import matplotlib.pyplot as plt
+
+        figure, ax = plt.subplots(figsize=(2.5 + 2.0 * len(reports), 4.2), layout="constrained")
+        # closed in pyplot so that the inline backend does not show it a second time at cell end
+        plt.close(figure)
     labels = list(dict.fromkeys(label for report in reports for label, _ in report.rows))
     colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     for x, report in enumerate(reports):
@@ -276,13 +281,17 @@ class SavedTensors:
     inputs are not counted: they exist whether or not you train. ``unhooked_bytes`` (already
     included) are tensors autograd saved without calling the hooks: Python scalars it wraps as
     0-d tensors. ``output_only_bytes`` are the forward's outputs that nothing saved: they are alive
-    after the forward too, but are not activations. Taught in ``13_memory``.
+    after the forward too, but are not activations. ``recomputed`` counts tensors another pack hook
+    took over (``torch.utils.checkpoint``): they are not kept but recomputed in backward, so they
+    are not counted; checkpoint's inputs are (it saves them through the hooks), while the RNG state
+    it keeps per call (5,056 B on CPU) is not a saved tensor and is not. Taught in ``13_memory``.
     """
 
     per_module: dict[str, int]
     unhooked_bytes: int
     output_only_bytes: int
     tensor_count: int
+    recomputed: int = 0
 
     @property
     def total(self) -> int:
@@ -296,12 +305,15 @@ class SavedTensors:
             (name, Reading(nbytes, "B", "measured", source="saved_tensors_hooks"))
             for name, nbytes in self.per_module.items()
         )
-        notes = (
+        notes = [
             f"{self.tensor_count} storages; {self.unhooked_bytes:,} B of wrapped Python scalars "
             "found on the graph (autograd saves those without calling the hooks)",
             f"outputs nothing saved: {self.output_only_bytes:,} B (alive after forward, not counted)",
-        )
-        return MemoryReport("Saved for backward, per module (exact)", rows, notes)
+        ]
+        if self.recomputed:
+            notes.append(f"{self.recomputed} saved tensors belong to another pack hook (torch.utils.checkpoint): "
+                         "recomputed in backward, not kept, not counted; checkpoint's RNG state per call is not counted")
+        return MemoryReport("Saved for backward, per module (exact)", rows, tuple(notes))
 
     def __str__(self) -> str:
         return str(self.report())
@@ -318,6 +330,7 @@ class _SavedTensorCounter:
         self._tracker = ModuleTracker()
         self._seen_nodes: set = set()
         self.unhooked_bytes = 0
+        self.recomputed = 0
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -336,7 +349,7 @@ class _SavedTensorCounter:
         output_only = sum(
             nbytes for key, nbytes in outputs.items() if key not in self._counted and key not in self._excluded
         )
-        return SavedTensors(per_module, self.unhooked_bytes, output_only, len(self._counted))
+        return SavedTensors(per_module, self.unhooked_bytes, output_only, len(self._counted), self.recomputed)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._count(tensor, self._innermost_module())
@@ -362,8 +375,13 @@ class _SavedTensorCounter:
         stop = {t.grad_fn for t in _tensors((args, kwargs)) if t.grad_fn is not None}
         owner = self._names.get(module, _OUTSIDE)
         for node in _new_graph_nodes(_tensors(output), stop, self._seen_nodes):
-            for tensor in _saved_on_node(node):
-                self.unhooked_bytes += self._count(tensor, owner)
+            for handle in _saved_handles(node):
+                if handle.unpack_hook is None:
+                    # data is None for an undefined saved tensor (an absent optional input)
+                    if isinstance(handle.data, torch.Tensor):
+                        self.unhooked_bytes += self._count(handle.data, owner)
+                elif handle.unpack_hook is not _identity:
+                    self.recomputed += 1
 
 
 def _identity(tensor):
@@ -371,22 +389,30 @@ def _identity(tensor):
 
 
 def _new_graph_nodes(outputs: list[torch.Tensor], stop: set, seen: set) -> list:
+    """Nodes between a module's outputs and its inputs that no inner module claimed already.
+
+    The walk goes on through claimed nodes: functional code between two submodules (an F.relu
+    in the parent's forward) lies beyond the submodules' nodes."""
     frontier = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    found = []
+    walked, found = set(), []
     while frontier:
         node = frontier.pop()
-        if node is None or node in seen or node in stop:
+        if node is None or node in walked or node in stop:
             continue
-        seen.add(node)
-        found.append(node)
+        walked.add(node)
+        if node not in seen:
+            seen.add(node)
+            found.append(node)
         frontier.extend(next_node for next_node, _ in node.next_functions)
     return found
 
 
-def _saved_on_node(node) -> list[torch.Tensor]:
-    names = [n for n in dir(node) if n.startswith("_saved_")]
-    values = [getattr(node, name) for name in names]
-    return [t for v in values for t in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(t, torch.Tensor)]
+def _saved_handles(node) -> list:
+    # The raw SavedTensor handles, not node._saved_x: unpacking a hooked one would run its unpack
+    # hook, which for torch.utils.checkpoint recomputes the forward and returns fresh storages.
+    values = [getattr(node, name) for name in dir(node) if name.startswith("_raw_saved_")]
+    return [h for v in values for h in (v if isinstance(v, (tuple, list)) else (v,))
+            if isinstance(h, torch._C._autograd.SavedTensor)]
 
 
 def saved_tensors(model: nn.Module, *inputs) -> SavedTensors:
@@ -1170,6 +1196,108 @@ class _OneDnnWorkspaceOnFake(TorchDispatchMode):
         return result
 
 
+# Kernels that take private memory while they run (oneDNN's layout reorders and scratchpads, the
+# native convolution's im2col buffers, cuDNN workspaces) and free it before returning: it goes
+# through the allocator but never becomes a tensor, so no fake-tensor tracker can see it.
+_WORKSPACE_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("convolution", "convolution_backward", "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward",
+                 "_cudnn_rnn", "_cudnn_rnn_backward")
+    if hasattr(torch.ops.aten, name)
+)
+KERNEL_WORKSPACE = ("auto", "measure", "ignore")
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _TensorSpec:
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+
+    def zeros(self) -> torch.Tensor:
+        extent = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
+        return torch.zeros(extent, dtype=self.dtype, device=self.device).as_strided(self.shape, self.stride)
+
+
+def _call_key(func, args, kwargs) -> tuple:
+    leaves, _ = tree_flatten((args, kwargs))
+    return (func, *(_TensorSpec.of(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves))
+
+
+class _WorkspaceRecorder(TorchDispatchMode):
+    """Notes each distinct call of a workspace-taking kernel: op, argument shapes, strides, dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[tuple, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _WORKSPACE_OPS:
+            leaves, tree = tree_flatten((args, kwargs))
+            specs = [_TensorSpec.of(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            self.calls.setdefault(_call_key(func, args, kwargs), (func, specs, tree))
+        return func(*args, **kwargs)
+
+
+class _WorkspaceReporter(TorchDispatchMode):
+    """After each workspace-taking kernel returns, reports the private bytes it was measured to hold."""
+
+    def __init__(self, workspaces: dict[tuple, int], report: Callable[[int], None]):
+        super().__init__()
+        self._workspaces, self._report = workspaces, report
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self._workspaces and func in _WORKSPACE_OPS:
+            self._report(self._workspaces[_call_key(func, args, kwargs)])
+        return result
+
+
+def _kernel_private_bytes(func, specs: list, tree, device: torch.device) -> int:
+    """Run one kernel alone on zero-filled tensors and return the bytes it held beyond its outputs."""
+    real = [spec.zeros() if isinstance(spec, _TensorSpec) else spec for spec in specs]
+    args, kwargs = tree_unflatten(real, tree)
+    inputs = {_storage_key(t) for t in _tensors(real)}
+    kept: list = []
+    with torch.no_grad():
+        rise = peak_bytes_during(lambda: kept.append(func(*args, **kwargs)), device)
+    outputs = _unique_bytes([t for t in _tensors(kept) if _storage_key(t) not in inputs], device)
+    return max(0, int(rise) - outputs)
+
+
+def _measure_workspaces(recorder: _WorkspaceRecorder, choice: str, model: nn.Module,
+                        device: torch.device) -> tuple[dict[tuple, int], str | None]:
+    """Private bytes per recorded kernel call, and a note for the report (None: nothing to say)."""
+    if choice not in KERNEL_WORKSPACE:
+        raise LabkitError(f"kernel_workspace={choice!r} is not one of {KERNEL_WORKSPACE}")
+    if not recorder.calls:
+        return {}, None
+    if choice == "ignore":
+        return {}, ("kernel workspaces ignored (kernel_workspace='ignore'): convolution and recurrent kernels "
+                    "take private memory while they run, so the measured peak can be higher")
+    reason = _no_allocator(device) or (
+        "the model is on the meta device, so measuring would allocate what it was meant to avoid "
+        "(pass kernel_workspace='measure' to run each such kernel once, alone)"
+        if choice == "auto" and any(t.is_meta for t in (*model.parameters(), *model.buffers())) else None)
+    if reason:
+        if choice == "measure":
+            raise LabkitError(f"kernel_workspace='measure' cannot measure on {device}: {reason}")
+        return {}, f"kernel workspaces not measured: {reason}"
+    workspaces = {key: _kernel_private_bytes(func, specs, tree, device)
+                  for key, (func, specs, tree) in recorder.calls.items()}
+    ops = sorted({key[0].name().removeprefix("aten::") for key in workspaces})
+    return workspaces, (
+        f"kernel workspace: measured by running each of the {len(workspaces)} distinct {', '.join(ops)} calls once, "
+        f"alone, on zero-filled tensors on {device} (largest: {max(workspaces.values()):,} B)")
+
+
 def _mem_tracker_class():
     """PyTorch's MemTracker when this build has it (torch.distributed._tools, 2.5+), else None."""
     if not torch.distributed.is_available():
@@ -1181,21 +1309,27 @@ def _mem_tracker_class():
     return MemTracker
 
 
-_CATEGORIES = ("parameters", "buffers", "gradients", "optimizer state", "activations", "temporaries", "inputs")
+_WORKSPACE = "kernel workspace"
+_CATEGORIES = ("parameters", "buffers", "gradients", "optimizer state", "activations", "temporaries", _WORKSPACE,
+               "inputs")
 _MEM_TRACKER_CATEGORIES = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients",
                            "Optstate": "optimizer state", "Activation": "activations",
                            "Temp": "temporaries", "Other": "inputs"}
 
 
-def _peak_with_mem_tracker(tracker_class, model, optimizer, inputs, loss_fn, device) -> dict[str, int]:
+def _peak_with_mem_tracker(tracker_class, model, optimizer, inputs, loss_fn, device, workspaces) -> dict[str, int]:
     tracker = tracker_class()
     tracker.track_external(model, optimizer, *_tensors(inputs))
-    with tracker:
+
+    def categorised(kind: str) -> dict[str, int]:
+        snapshot = tracker.get_tracker_snapshot(kind).get(device, {})
+        named = {str(getattr(key, "value", key)): nbytes for key, nbytes in snapshot.items()}
+        return {_MEM_TRACKER_CATEGORIES[key]: nbytes for key, nbytes in named.items() if key in _MEM_TRACKER_CATEGORIES}
+
+    inside_kernels = _PeakInsideKernels(lambda: categorised("current"))
+    with tracker, _WorkspaceReporter(workspaces, inside_kernels.add):
         _train_step(model, optimizer, inputs, loss_fn)
-    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
-    named = {str(getattr(kind, "value", kind)): nbytes for kind, nbytes in snapshot.items()}
-    breakdown = {_MEM_TRACKER_CATEGORIES[kind]: nbytes for kind, nbytes in named.items()
-                 if kind in _MEM_TRACKER_CATEGORIES}
+    breakdown = inside_kernels.higher_of(categorised("peak"))
     # MemTracker files everything created inside optimizer.step() as optimizer state, including the
     # step's temporaries (Adam's sqrt and division); the state itself is what optimizer.state holds.
     state = _unique_bytes(_optimizer_tensors(optimizer), device)
@@ -1203,6 +1337,23 @@ def _peak_with_mem_tracker(tracker_class, model, optimizer, inputs, loss_fn, dev
     breakdown["optimizer state"] = breakdown.get("optimizer state", 0) - misfiled
     breakdown["temporaries"] = breakdown.get("temporaries", 0) + misfiled
     return breakdown
+
+
+class _PeakInsideKernels:
+    """The highest moment inside a workspace-taking kernel: what the tracker holds when the kernel
+    returns (inputs and outputs) plus the private bytes the kernel held on top."""
+
+    def __init__(self, current: Callable[[], dict[str, int]]):
+        self._current = current
+        self.best: dict[str, int] = {}
+
+    def add(self, workspace: int) -> None:
+        moment = {**self._current(), _WORKSPACE: workspace}
+        if sum(moment.values()) > sum(self.best.values()):
+            self.best = moment
+
+    def higher_of(self, tracked_peak: dict[str, int]) -> dict[str, int]:
+        return dict(self.best) if sum(self.best.values()) > sum(tracked_peak.values()) else dict(tracked_peak)
 
 
 def _unique_bytes(tensors, device: torch.device, seen: set | None = None) -> int:
@@ -1241,6 +1392,12 @@ class _StorageTimeline(TorchDispatchMode):
                 continue
             self._add(storage, _allocated_nbytes(tensor), category)
 
+    def add_workspace(self, nbytes: int) -> None:
+        """Private bytes a kernel held while it ran: alive for that moment only."""
+        workspace_id = len(self._category)
+        self._category[workspace_id] = _WORKSPACE
+        self._events += [(workspace_id, nbytes), (workspace_id, -nbytes)]
+
     def _add(self, storage, nbytes: int, category: str) -> None:
         storage_id = len(self._category)
         self._ids[storage] = storage_id
@@ -1269,7 +1426,7 @@ class _StorageTimeline(TorchDispatchMode):
         return breakdown
 
 
-def _peak_with_timeline(model, optimizer, inputs, loss_fn, device) -> dict[str, int]:
+def _peak_with_timeline(model, optimizer, inputs, loss_fn, device, workspaces) -> dict[str, int]:
     timeline = _StorageTimeline(device)
     timeline.track(model.parameters(), "parameters")
     timeline.track(model.buffers(), "buffers")
@@ -1281,7 +1438,7 @@ def _peak_with_timeline(model, optimizer, inputs, loss_fn, device) -> dict[str, 
             timeline.track([p.grad for p in model.parameters() if p.grad is not None], "gradients")
         timeline.current = "activations" if name == "forward" else "temporaries"
 
-    with timeline:
+    with timeline, _WorkspaceReporter(workspaces, timeline.add_workspace):
         _train_step(model, optimizer, inputs, loss_fn, phase)
     return timeline.peak_breakdown()
 
@@ -1290,8 +1447,9 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return [t for state in optimizer.state.values() for t in _tensors(state)]
 
 
-def estimate_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None, device=None) -> MemoryReport:
-    """The steady-state peak bytes of one training step, without allocating any of them.
+def estimate_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None, device=None,
+                       kernel_workspace: str = "auto") -> MemoryReport:
+    """The steady-state peak bytes of one training step, without running the step on real tensors.
 
     Runs forward, ``loss_fn(output)`` (default: sum of the first output), backward,
     ``optimizer.step()`` and ``zero_grad()`` twice on fake tensors and reports the peak of the
@@ -1300,24 +1458,33 @@ def estimate_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None
     ``int(report)`` is the peak in bytes. ``device`` runs the fake step as if the tensors lived
     there (a meta-device model estimated with the CPU's or CUDA's kernels). Taught in ``13_memory``.
 
-    Not included: memory a kernel allocates for itself and frees before returning (oneDNN or
-    cuDNN convolution workspaces, im2col buffers, recurrent kernels' scratchpads), which no
-    tensor-level tracker can see; the report says so when the model has such layers.
+    Convolution and recurrent kernels also take private memory while they run (oneDNN reorders
+    and scratchpads, im2col buffers, cuDNN workspaces) that is never a tensor, so fake tensors
+    cannot see it. ``kernel_workspace`` says what to do about it: ``"measure"`` runs each distinct
+    such call once, alone, on zero-filled tensors of its shapes, and adds the bytes it held beyond
+    its outputs at that moment of the step (memory for one layer's call, never the model's step);
+    ``"ignore"`` leaves it out (the report's note says the measured peak can be higher);
+    ``"auto"`` (default) measures unless the model is on the meta device or the device has no
+    allocator to read.
     """
     _check_model(model)
     inputs, make_optimizer = _as_inputs(inputs), _optimizer_factory(model, optimizer)
     device = _optional_device(device) or _device_of(model, inputs)
     mode = FakeTensorMode()
     fake_model, fake_inputs = _fake_copy(model, inputs, mode, device=device)
-    tracker_class = _mem_tracker_class()
-    with mode, _OneDnnWorkspaceOnFake(), torch.enable_grad():
+    recorder = _WorkspaceRecorder()
+    with mode, _OneDnnWorkspaceOnFake(), torch.enable_grad(), recorder:
         fake_optimizer = make_optimizer(fake_model.parameters())
         _guarded_fake_step(fake_model, fake_optimizer, fake_inputs, loss_fn)
+    workspaces, workspace_note = _measure_workspaces(recorder, kernel_workspace, model, device)
+    tracker_class = _mem_tracker_class()
+    with mode, _OneDnnWorkspaceOnFake(), torch.enable_grad():
+        step = (fake_model, fake_optimizer, fake_inputs, loss_fn, device, workspaces)
         if tracker_class is not None:
-            breakdown = _peak_with_mem_tracker(tracker_class, fake_model, fake_optimizer, fake_inputs, loss_fn, device)
+            breakdown = _peak_with_mem_tracker(tracker_class, *step)
         else:
-            breakdown = _peak_with_timeline(fake_model, fake_optimizer, fake_inputs, loss_fn, device)
-    return _estimate_report(breakdown, tracker_class is not None, model)
+            breakdown = _peak_with_timeline(*step)
+    return _estimate_report(breakdown, tracker_class is not None, workspaces, workspace_note)
 
 
 def _guarded_fake_step(model, optimizer, inputs, loss_fn) -> None:
@@ -1332,17 +1499,17 @@ def _guarded_fake_step(model, optimizer, inputs, loss_fn) -> None:
         raise
 
 
-def _estimate_report(breakdown: dict[str, int], used_mem_tracker: bool, model: nn.Module) -> MemoryReport:
+def _estimate_report(breakdown: dict[str, int], used_mem_tracker: bool, workspaces: dict,
+                     workspace_note: str | None) -> MemoryReport:
     source = "fake tensors + " + ("torch MemTracker" if used_mem_tracker else "labkit storage timeline")
-    rows = tuple((c, Reading(breakdown.get(c, 0), "B", "estimated", source=source)) for c in _CATEGORIES)
+    rows = [(c, Reading(breakdown.get(c, 0), "B", "estimated", source=source)) for c in _CATEGORIES if c != _WORKSPACE]
+    if workspaces:
+        rows.insert(-1, (_WORKSPACE, Reading(breakdown.get(_WORKSPACE, 0), "B", "estimated",
+                                             source="each kernel call measured alone")))
     notes = ["steady state: the peak of step 2, once the optimizer state exists"]
-    if any(isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) for m in model.modules()):
-        notes.append("convolution kernels allocate private workspace (oneDNN reorders, im2col, cuDNN) "
-                     "that no tensor-level tracker sees: the measured peak can be higher")
-    if any(isinstance(m, nn.RNNBase) for m in model.modules()):
-        notes.append("recurrent kernels (oneDNN, cuDNN) take private scratchpads and weight reorders "
-                     "inside backward that no tensor-level tracker sees: the measured peak can be higher")
-    return MemoryReport("Step peak (estimated, allocation-free)", rows, tuple(notes))
+    if workspace_note:
+        notes.append(workspace_note)
+    return MemoryReport("Step peak (estimated, allocation-free)", tuple(rows), tuple(notes))
 
 
 # --------------------------------------------------------------------------------------------

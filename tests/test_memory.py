@@ -1,9 +1,12 @@
 """labkit.memory: exact saved-tensor counts, per-layer formulas, the fake-tensor step peak, and
 measurements that say why when they cannot measure."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from labkit import memory
 from labkit.errors import LabkitError
@@ -116,10 +119,28 @@ def test_parameters_buffers_and_inputs_are_not_activations():
     assert memory.saved_bytes(model, torch.randn(5, 8)) == 5 * 8 * FLOAT
 
 
+class ScaledBetweenSubmodules(nn.Module):
+    """The Python float is applied in the parent's forward, between two submodules."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.second(self.first(x) * 0.5)
+
+
+def test_python_scalar_saved_between_submodules_is_found_and_given_to_the_parent():
+    saved = memory.saved_tensors(ScaledBetweenSubmodules(), torch.randn(5, 8))
+    assert saved.unhooked_bytes == 8
+    assert saved.per_module["(model)"] == 8
+
+
 def test_python_scalar_saved_without_hooks_is_found_on_the_graph():
     saved = memory.saved_tensors(ScaledLinear(), torch.randn(5, 8))
     assert saved.unhooked_bytes == 8
     assert saved.per_module == {"(model)": 8}
+    assert saved.recomputed == 0 and memory.saved_tensors(mlp(), torch.randn(5, 8)).recomputed == 0
 
 
 def test_exact_count_plus_outputs_equals_allocator_live_bytes_after_forward():
@@ -129,6 +150,33 @@ def test_exact_count_plus_outputs_equals_allocator_live_bytes_after_forward():
     live = memory.live_bytes_after_forward(model, x)
     assert live.provenance == "measured"
     assert int(live) == saved.total + saved.output_only_bytes
+
+
+class CheckpointedBlocks(nn.Module):
+    """Two MLP blocks under non-reentrant activation checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.second = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x):
+        between = checkpoint(self.first, x, use_reentrant=False)
+        return checkpoint(self.second, between, use_reentrant=False)
+
+
+def test_checkpointed_tensors_are_not_counted_and_not_recomputed_by_counting():
+    model, x = CheckpointedBlocks(), torch.randn(8, 16)
+    forwards = []
+    model.first.register_forward_hook(lambda *args: forwards.append(1))
+    saved = memory.saved_tensors(model, x)
+    assert forwards == [1], "counting must not unpack checkpoint's tensors (that reruns the block)"
+    # kept: the second block's input, which checkpoint saves through the hooks; the rest is recomputed
+    assert saved.total == 8 * 16 * FLOAT
+    assert saved.recomputed > 0 and "torch.utils.checkpoint" in str(saved)
+    rng_state_bytes = torch.get_rng_state().numel()
+    live = memory.live_bytes_after_forward(model, x)
+    assert int(live) == saved.total + saved.output_only_bytes + 2 * rng_state_bytes
 
 
 def test_counting_leaves_batchnorm_statistics_and_rng_unchanged():
@@ -298,10 +346,31 @@ def _parameter_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+class ResidualConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+        self.norm = nn.BatchNorm2d(16)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.conv2(torch.relu(self.conv1(x)))) + x)
+
+
+class LastStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
 @pytest.mark.parametrize("make_model, shape", [
     (lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 8)), (32, 64)),
     (lambda: nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), (4, 12, 32)),
-], ids=["mlp", "encoder-layer"])
+    (ResidualConv, (4, 16, 12, 12)),
+    (LastStep, (6, 10, 8)),
+], ids=["mlp", "encoder-layer", "residual-conv", "lstm"])
 def test_estimated_step_peak_is_within_one_percent_of_the_measured_cpu_peak(make_model, shape):
     model, x = make_model(), torch.randn(shape)
     estimated, measured = memory.estimate_step_peak(model, x), memory.measure_step_peak(model, x)
@@ -316,8 +385,12 @@ def test_estimate_is_the_steady_state_with_adam_state_present():
     assert int(memory.estimate_step_peak(model, torch.randn(5, 8), optimizer="sgd")["optimizer state"]) == 0
 
 
-def test_fallback_tracker_agrees_with_mem_tracker(monkeypatch):
-    model, x = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), torch.randn(4, 12, 32)
+@pytest.mark.parametrize("make_model, shape", [
+    (lambda: nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), (4, 12, 32)),
+    (ResidualConv, (4, 16, 12, 12)),
+], ids=["encoder-layer", "residual-conv"])
+def test_fallback_tracker_agrees_with_mem_tracker(monkeypatch, make_model, shape):
+    model, x = make_model(), torch.randn(shape)
     with_mem_tracker = memory.estimate_step_peak(model, x)
     monkeypatch.setattr(memory, "_mem_tracker_class", lambda: None)
     fallback = memory.estimate_step_peak(model, x)
@@ -325,6 +398,54 @@ def test_fallback_tracker_agrees_with_mem_tracker(monkeypatch):
     assert "labkit storage timeline" in fallback["activations"].source
     assert int(fallback) == int(with_mem_tracker)
     assert int(fallback["optimizer state"]) == int(with_mem_tracker["optimizer state"])
+    workspace = [dict(report.rows).get("kernel workspace") for report in (fallback, with_mem_tracker)]
+    assert workspace[0] is None if workspace[1] is None else int(workspace[0]) == int(workspace[1])
+
+
+def test_kernel_workspace_is_the_difference_between_tensors_only_and_the_measured_peak():
+    model, x = ResidualConv(), torch.randn(4, 16, 12, 12)
+    tensors_only = memory.estimate_step_peak(model, x, kernel_workspace="ignore")
+    with_workspace = memory.estimate_step_peak(model, x, kernel_workspace="measure")
+    assert "kernel workspace" not in dict(tensors_only.rows)
+    assert any("kernel_workspace='ignore'" in note for note in tensors_only.notes)
+    assert int(with_workspace["kernel workspace"]) > 0
+    assert any("convolution_backward" in note for note in with_workspace.notes)
+    assert int(tensors_only) < int(memory.measure_step_peak(model, x)) * 0.99
+
+
+def test_a_model_without_workspace_kernels_gets_no_workspace_row():
+    report = memory.estimate_step_peak(mlp(), torch.randn(5, 8))
+    assert "kernel workspace" not in dict(report.rows)
+    assert not any("kernel" in note for note in report.notes)
+
+
+def test_kernel_workspace_choices_are_checked():
+    with pytest.raises(LabkitError, match="kernel_workspace='always' is not one of"):
+        memory.estimate_step_peak(ResidualConv(), torch.randn(2, 16, 6, 6), kernel_workspace="always")
+
+
+def test_a_meta_model_is_not_measured_unless_asked_and_then_only_kernel_by_kernel(monkeypatch):
+    with torch.device("meta"):
+        model, x = nn.Sequential(*(ResidualConv() for _ in range(4))), torch.randn(64, 16, 32, 32)
+    automatic = memory.estimate_step_peak(model, x, device="cpu")
+    assert "kernel workspace" not in dict(automatic.rows)
+    assert any("meta device" in note and "kernel_workspace='measure'" in note for note in automatic.notes)
+    inputs_per_call = []
+    measure_one = memory._kernel_private_bytes
+
+    def recording(func, specs, tree, device):
+        inputs_per_call.append(sum(math.prod(s.shape) * s.dtype.itemsize for s in specs
+                                   if isinstance(s, memory._TensorSpec)))
+        return measure_one(func, specs, tree, device)
+
+    monkeypatch.setattr(memory, "_kernel_private_bytes", recording)
+    measured = memory.estimate_step_peak(model, x, device="cpu", kernel_workspace="measure")
+    activation_bytes = 64 * 16 * 32 * 32 * FLOAT  # 4 MiB: one layer's input
+    assert int(measured["kernel workspace"]) > 0
+    # convolution_backward's inputs: the layer's input and output gradient (and the weights)
+    assert inputs_per_call and max(inputs_per_call) < 2.01 * activation_bytes < int(automatic) / 4
+    with pytest.raises(LabkitError, match="kernel_workspace='measure' cannot measure on meta"):
+        memory.estimate_step_peak(model, x, kernel_workspace="measure")
 
 
 def test_estimate_allocates_nothing_even_for_a_large_model():
@@ -417,3 +538,17 @@ def test_cuda_step_peak_estimate_is_close_to_the_measurement():
     measured = memory.measure_step_peak(model, x)
     assert measured.total.provenance == "measured"
     assert int(memory.estimate_step_peak(model, x)) == pytest.approx(int(measured), rel=0.05)
+
+
+def test_report_plot_shows_once_as_an_image_in_a_fresh_kernel(tmp_path):
+    # a fresh kernel has not imported pyplot, which is what makes Jupyter render a Figure as an image
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(
+        "import torch\nfrom labkit import memory\nmemory.training_state(torch.nn.Linear(4, 4)).plot()")]
+    NotebookClient(notebook, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    images = [output for output in notebook.cells[0].outputs if "image/png" in output.get("data", {})]
+    assert len(images) == 1, [output.get("data", output).keys() for output in notebook.cells[0].outputs]
