@@ -1540,6 +1540,9 @@ def _no_allocator(device: torch.device) -> str | None:
         return "meta tensors have no storage: nothing is allocated, so there is nothing to measure"
     if device.type not in ("cpu", "cuda"):
         return f"labkit has no allocator statistics for device type {device.type!r}"
+    if device.type == "cpu" and torch.autograd._profiler_enabled():
+        return ("a torch profiler is already running, and CPU allocations are read with one: starting "
+                "another would end yours; measure outside the profiler's `with` block")
     return None
 
 

@@ -475,6 +475,20 @@ def test_peak_bytes_during_sees_a_buffer_that_was_freed_before_returning():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when there is no CUDA")
+def test_measuring_inside_a_running_profiler_is_refused_with_the_reason():
+    from torch.profiler import ProfilerActivity, profile
+
+    model, x = ResidualConv(), torch.randn(2, 16, 6, 6)
+    with profile(activities=[ProfilerActivity.CPU]):
+        inside = memory.peak_bytes_during(lambda: torch.ones(1000))
+        automatic = memory.estimate_step_peak(model, x)
+        with pytest.raises(LabkitError, match="profiler is already running"):
+            memory.estimate_step_peak(model, x, kernel_workspace="measure")
+        assert torch.autograd._profiler_enabled(), "the user's profiler must still be running"
+    assert not inside.available and "profiler is already running" in inside.reason
+    assert any("profiler is already running" in note for note in automatic.notes)
+
+
 def test_cuda_peak_without_cuda_is_unavailable_with_the_reason_not_zero():
     reading = memory.peak_bytes_during(lambda: None, "cuda")
     assert not reading.available and "would return 0 here" in reading.reason
