@@ -83,7 +83,7 @@ class _ActivationRow(NamedTuple):
 HISTORY_KEYS = _GradRow._fields
 ACTIVATION_KEYS = _ActivationRow._fields
 NUMERIC_GRAD_STATS = HISTORY_KEYS[6:14]
-ALERT_KINDS = ("vanishing", "exploding", "nonfinite", "dead_units", "missing")
+ALERT_KINDS = ("vanishing", "exploding", "nonfinite", "dead_units", "missing", "skipped_step")
 
 # tanh' = 1 - y^2 and sigmoid' = y(1 - y); a unit is saturated when its derivative is under 2 % of
 # the function's peak derivative (1 for tanh, 1/4 for sigmoid), i.e. almost no gradient passes.
@@ -146,7 +146,12 @@ class GradTracer:
     ``exploding`` (norm above ``explode_factor`` times the median of its last ``baseline_steps``
     finite norms), ``vanishing`` (root-mean-square gradient at most ``vanish_ratio`` times the
     step's largest) and ``dead_units`` (a ReLU module whose share of units that never fired in the
-    step reaches ``dead_above``; needs ``activations=True``).
+    step reaches ``dead_above``, units along ``unit_dim``; needs ``activations=True``), and,
+    with an optimizer, ``skipped_step``: the step's gradients were zeroed
+    (``zero_grad(set_to_none=True)``, the default) without ``optimizer.step()`` running, as when
+    ``GradScaler`` skips a step on inf/NaN gradients; the step is recorded and closed when the
+    next forward or backward starts. (With ``set_to_none=False`` the tensors are zeroed in place
+    and a skipped step is not detected.) ``skipped_step`` is taught in ``10_mixed_precision``.
 
     The history keeps the last ``max_steps`` steps (``None``: all); alerts are kept for the steps
     the history keeps.
@@ -166,10 +171,16 @@ class GradTracer:
         explode_factor: float = 10.0,
         baseline_steps: int = 20,
         dead_above: float = 0.5,
+        unit_dim: int = 1,
     ) -> None:
         _check_tracer_options(
             model, optimizer, full_every, histogram_bins, update_ratio, max_steps, baseline_steps
         )
+        if unit_dim == 0:
+            raise LabkitError(
+                "unit_dim=0 is the batch: a unit is dead when it is 0 for every sample, so name the "
+                "units' dimension (1 for (batch, features) and convolutions, -1 for (batch, time, features))"
+            )
         named = [(name, p) for name, p in model.named_parameters() if p.numel() > 0]
         if not named:
             raise LabkitError(
@@ -187,6 +198,7 @@ class GradTracer:
         self._vanish_ratio = vanish_ratio
         self._explode_factor = explode_factor
         self._dead_above = dead_above
+        self._unit_dim = unit_dim
         self._steps: deque[list[_GradRow]] = deque(maxlen=max_steps)
         self._activation_steps: deque[list[_ActivationRow]] = deque(maxlen=max_steps)
         self._alerts: deque[Alert] = deque()
@@ -257,8 +269,10 @@ class GradTracer:
     # ----------------------------------------------------------------- hooks (hot path)
 
     def _on_gradient(self, index: int, param: torch.Tensor) -> None:
+        if self._step_was_abandoned():
+            self._close_step(None, skipped=True)
         self._accumulations[index] += 1
-        grad = param.grad
+        self._grad_objects[index] = grad = param.grad
         if grad.requires_grad:  # backward(create_graph=True): keep the reductions off its graph
             grad = grad.detach()
         if grad.is_sparse:
@@ -266,11 +280,32 @@ class GradTracer:
         self._pending[index] = _gradient_summary(grad, self._bins if self._full_step else 0)
         self._grads_seen[index] = grad
 
+    def _step_was_abandoned(self) -> bool:
+        # The step's .grad tensor is gone or replaced although optimizer.step() has not closed the
+        # step: zero_grad(set_to_none=True) ran without an update (GradScaler skips the update on
+        # inf/NaN gradients). Micro-batches accumulate into the same tensor; create_graph=True
+        # replaces it, so a replacement that requires grad does not count.
+        if self.optimizer is None:
+            return False
+        for param, seen in zip(self._params, self._grad_objects):
+            if seen is not None:
+                grad = param.grad
+                return grad is not seen and (grad is None or not grad.requires_grad)
+        return False
+
     def _on_activation(self, index: int, module: nn.Module, inputs: Any, output: Any) -> None:
         # Only forward passes that build a graph feed a gradient; evaluation under no_grad does not.
         if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or output.numel() == 0:
             return
-        sums, alive = _activation_summary(output.detach(), module)
+        if self._step_was_abandoned():
+            self._close_step(None, skipped=True)
+        if isinstance(module, nn.ReLU) and not -output.dim() <= self._unit_dim < output.dim():
+            raise LabkitError(
+                f"unit_dim={self._unit_dim} does not exist in the {tuple(output.shape)} output of "
+                f"ReLU '{self._activation_modules[index][0]}': pass GradTracer(..., unit_dim=...) "
+                "naming the units' dimension"
+            )
+        sums, alive = _activation_summary(output.detach(), module, self._unit_dim)
         pending = self._activation_pending[index]
         if pending is None:
             self._activation_pending[index] = [1, output.numel(), sums, alive]
@@ -317,11 +352,12 @@ class GradTracer:
         count = len(self._params)
         self._pending: list[tuple[torch.Tensor, ...] | None] = [None] * count
         self._grads_seen: list[torch.Tensor | None] = [None] * count
+        self._grad_objects: list[torch.Tensor | None] = [None] * count
         self._accumulations = [0] * count
         self._activation_pending = [None] * len(self._activation_modules)
         self._full_step = self._full_every > 0 and self._step % self._full_every == 0
 
-    def _close_step(self, update: torch.Tensor | None) -> None:
+    def _close_step(self, update: torch.Tensor | None, skipped: bool = False) -> None:
         activations = [(k, p) for k, p in enumerate(self._activation_pending) if p is not None]
         summaries = [s for s in self._pending if s is not None]
         on_device = _step_tensors(summaries, [p for _, p in activations], update)
@@ -333,6 +369,8 @@ class GradTracer:
         if update is not None:
             rows = _with_update_ratios(rows, values)
         self._record(rows, activation_rows)
+        if skipped:
+            self._alerts.append(_skipped_step_alert(self._step))
         self._step += 1
         self._reset_pending()
         self._hook_parameters_needing_grad()
@@ -402,8 +440,10 @@ class GradTracer:
 
         ``mean``/``std`` over every output value of the step's forward passes that built a graph;
         ``saturated`` (tanh, sigmoid modules): share of outputs whose derivative is under 2 % of its
-        peak; ``dead`` (ReLU modules): share of units (dim 1: features, or channels) that were 0
-        for every sample of the step. Taught in ``08_gradient_health``."""
+        peak; ``dead`` (ReLU modules): share of units (dimension ``unit_dim``, default 1: the
+        features of a (batch, features) output, the channels of a convolution's) that were 0 for
+        every sample of the step; pass ``unit_dim=-1`` for (batch, time, features) outputs.
+        Taught in ``08_gradient_health``."""
         if not self._trace_activations:
             raise LabkitError("activation statistics are off: use GradTracer(model, activations=True)")
         self._require_steps()
@@ -521,8 +561,10 @@ def _sample_std(total_sq: float, total: float, count: int) -> float:
     return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1))
 
 
-def _activation_summary(output: torch.Tensor, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-side sums of one forward output and, for ReLU, which units (dim 1) fired."""
+def _activation_summary(
+    output: torch.Tensor, module: nn.Module, unit_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-side sums of one forward output and, for ReLU, which units (``unit_dim``) fired."""
     values = output if output.dtype in _REDUCED_AS_IS else output.float()
     if isinstance(module, nn.Tanh):
         saturated = ((1 - values * values) < SATURATED_DERIVATIVE).sum()
@@ -533,7 +575,8 @@ def _activation_summary(output: torch.Tensor, module: nn.Module) -> tuple[torch.
     flat = values.reshape(-1)
     sums = torch.stack((flat.sum(), torch.dot(flat, flat), saturated.to(flat.dtype)))
     if isinstance(module, nn.ReLU) and values.dim() >= 2:
-        alive = values.transpose(0, 1).reshape(values.shape[1], -1).gt(0).any(dim=1)
+        units = values.movedim(unit_dim, 0)
+        alive = units.reshape(units.shape[0], -1).gt(0).any(dim=1)
     else:
         alive = values.new_ones(1, dtype=torch.bool)
     return sums, alive
@@ -586,6 +629,13 @@ def _row_alert(
                      f"step {step}: '{name}' rms gradient {rms:.3g} is at most {vanish_ratio:g} x "
                      f"the step's largest ({largest_rms:.3g})")  # fmt: skip
     return None
+
+
+def _skipped_step_alert(step: int) -> Alert:
+    return Alert("skipped_step", step, "(optimizer)", None, None,
+                 f"step {step}: its gradients were zeroed for the next step without optimizer.step() "
+                 "running (GradScaler skips it when it finds inf/NaN gradients): recorded, "
+                 "no update applied")  # fmt: skip
 
 
 def _dead_unit_alerts(rows: list[_ActivationRow], dead_above: float) -> list[Alert]:

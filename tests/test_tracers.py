@@ -154,6 +154,50 @@ def test_four_micro_batches_give_one_record_per_parameter_per_step():
     assert last_weight["norm"] == pytest.approx(model[2].weight.grad.norm().item(), rel=1e-5)
 
 
+def test_a_step_grad_scaler_skips_is_its_own_record_with_an_alert():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    with GradTracer(model, optimizer, activations=True) as tracer:
+        for step in range(3):
+            optimizer.zero_grad()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            if step == 1:
+                loss = loss * math.inf  # inf gradients: the scaler skips optimizer.step()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert tracer.steps == 3
+    assert [a.step for a in tracer.alerts("skipped_step")] == [1]
+    assert {a.step for a in tracer.alerts("nonfinite")} == {1}
+    # each step keeps its own backward and forward, not two merged
+    assert {r["step"]: r["accumulations"] for r in tracer.history()} == {0: 1, 1: 1, 2: 1}
+    assert {r["step"]: r["calls"] for r in tracer.activation_history()} == {0: 1, 1: 1, 2: 1}
+
+
+def test_zeroing_between_micro_batches_without_a_step_is_a_skipped_step():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradTracer(model, optimizer) as tracer:
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+    assert tracer.steps == 2 and [a.step for a in tracer.alerts("skipped_step")] == [0]
+
+
+def test_micro_batches_and_zeroing_in_place_are_not_skipped_steps():
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradTracer(model, optimizer) as tracer:
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=False)
+            for _ in range(2):
+                model(torch.randn(8, 4)).sum().backward()
+            optimizer.step()
+    assert tracer.steps == 3 and not tracer.alerts("skipped_step")
+
+
 def record_host_reads(monkeypatch) -> list[str]:
     """Patch every Tensor method that copies values to the host to log its name when called."""
     reads = []
@@ -353,6 +397,31 @@ def test_relu_units_that_never_fire_raise_a_dead_units_alert():
     assert relu["dead"] == 0.75
     (alert,) = tracer.alerts("dead_units")
     assert (alert.name, alert.step, alert.value) == ("1", 0, 0.75)
+
+
+def test_dead_units_of_a_sequence_output_are_counted_along_the_features():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.copy_(torch.tensor([-1.0, -1.0, -1.0, 1.0]))
+    x = torch.randn(8, 10, 3)  # (batch, time, features): dim 1 is time, whose 10 steps all fire
+    dead = {}
+    for unit_dim in (1, -1):
+        with GradTracer(model, activations=True, unit_dim=unit_dim) as tracer:
+            model(x).sum().backward()
+            tracer.step()
+        dead[unit_dim] = [r for r in tracer.activation_history() if r["kind"] == "ReLU"][0]["dead"]
+    assert dead == {1: 0.0, -1: 0.75}
+
+
+def test_a_unit_dim_that_is_the_batch_or_out_of_range_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    with pytest.raises(LabkitError, match="unit_dim=0 is the batch"):
+        GradTracer(model, activations=True, unit_dim=0)
+    with GradTracer(model, activations=True, unit_dim=2) as tracer:
+        with pytest.raises(LabkitError, match=r"unit_dim=2 does not exist in the \(8, 4\) output of ReLU '1'"):
+            model(torch.randn(8, 3))
+    assert tracer.steps == 0
 
 
 def test_alerts_are_kept_only_for_the_steps_the_history_keeps():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.amp import GradScaler
 
-from labkit import claims, compare_grads, datasets, grading, repro
+from labkit import GradTracer, claims, compare_grads, datasets, grading, repro
 from labkit.probes import fingerprint, format_fingerprint
 from labkit.progress import track
 
@@ -499,10 +499,47 @@ claims.check(
     ),
 )
 
+
 # %% [markdown]
 # **The fix.** Keep torch's defaults unless a measurement says otherwise: a high `init_scale`
 # is cheap, a low one is not; watch the scale and the skipped steps (`scaler.get_scale()` after
 # each update) rather than tuning the factors.
+
+# %% [markdown]
+# Watching the skipped steps is what a gradient trace is for. `GradTracer` closes a step when
+# `optimizer.step()` runs; when the scaler skips it, the tracer closes that step as soon as the
+# next one zeroes its gradients, keeps its record, and raises a `skipped_step` alert beside the
+# `nonfinite` ones (the last step has no next one to close it). Twelve real fp16 autocast steps
+# from the pretrained weights, started at `init_scale` 2^32, far above the default, so that the
+# first steps overflow (on the CPU, so every machine prints the same):
+
+# %%
+def traced_fp16_steps(steps, init_scale):
+    model = copy.deepcopy(pretrained).float()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    scaler = GradScaler("cpu", init_scale=init_scale)
+    x, y, log2_scales = x_train.float(), y_train, []
+    with GradTracer(model, optimizer) as tracer:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            log2_scales.append(math.log2(scaler.get_scale()))
+    return tracer, log2_scales
+
+
+tracer, log2_scales = traced_fp16_steps(12, init_scale=2.0**32)
+skipped_steps = [alert.step for alert in tracer.alerts("skipped_step")]
+print(f"steps traced: {tracer.steps}; skipped_step alerts at steps {skipped_steps}; nonfinite alerts at "
+      f"steps {sorted({alert.step for alert in tracer.alerts('nonfinite')})}")
+print("log2 of the scale after each step:", [round(v) for v in log2_scales])
+print(tracer.alerts("skipped_step")[0])
+backed_off = [step for step, (before, after) in enumerate(zip([32.0, *log2_scales[:-1]], log2_scales[:-1]))
+              if after < before]
+print("the flagged steps are exactly those after which the scaler backed off:", skipped_steps == backed_off)
 
 # %% [markdown]
 # ## Case G3: must `backward` run outside autocast?
@@ -827,7 +864,8 @@ claims.table()
 # - bf16 has fp32's range and no underflow worth scaling for, at the price of 8-bit precision: keep
 #   float32 master weights with either format (G5).
 # - GradScaler's defaults are 2^16, 2.0, 0.5 and 2000, its scale is float32 (a 0.6 backoff is
-#   harmless), and the setting that hurts when wrong is a low `init_scale` (G2).
+#   harmless), and the setting that hurts when wrong is a low `init_scale` (G2). A `GradTracer`
+#   given the optimizer records each step the scaler skipped, with a `skipped_step` alert.
 # - Backward inside or outside autocast gives identical gradients; built-in losses come out in
 #   float32 under autocast (G3).
 # - The scale cannot grow to inf, and `unscale_` skips inf gradients; a long NaN burst drives the
