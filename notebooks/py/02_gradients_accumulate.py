@@ -1077,8 +1077,7 @@ claims.check(
     "B9",
     verdict="does-not-hold" if not zeroes_by_default and all_reduces["zero_grad"] == 0 else "partly",
     evidence=(
-        f"in torch {torch.__version__.split('+')[0]} zero_grad defaults to set_to_none={default}: it sets each "
-        f".grad to "
+        f"in the installed torch zero_grad defaults to set_to_none={default}: it sets each .grad to "
         f"None and calls zero_() only with set_to_none=False; it touches nothing but .grad (no compile state; the "
         f"function is excluded from torch.compile tracing) and runs {all_reduces['zero_grad']} all-reduces, against "
         f"{all_reduces['backward']} in DDP's backward, where gradients are synchronised"

@@ -124,7 +124,7 @@ print(claims.case("F1").claim)
 
 # %%
 default_norm_type = inspect.signature(clip_grad_norm_).parameters["norm_type"].default
-print(f"torch {torch.__version__.split('+')[0]}: clip_grad_norm_(..., norm_type={default_norm_type!r}, ...)")
+print(f"installed torch: clip_grad_norm_(..., norm_type={default_norm_type!r}, ...)")
 
 # %% [markdown]
 # **Measure.** A real gradient spike: one digits batch that arrives un-normalised (pixels 0–16
@@ -167,7 +167,7 @@ claims.check(
     "F1",
     verdict="does-not-hold" if default_is_l2 else "holds",
     evidence=(
-        f"torch {torch.__version__.split('+')[0]}'s signature says norm_type={default_norm_type}, and clipping "
+        f"the installed torch's signature says norm_type={default_norm_type}, and clipping "
         f"without norm_type gives exactly the norm_type=2 result; on a spike gradient the L2 total is "
         f"{l2_total:.3g} (scaled by {max_norm / l2_total:.2f} at max_norm={max_norm}) while the inf-norm is "
         f"{inf_total:.3g}, which would not have clipped at all"
