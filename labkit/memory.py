@@ -1260,16 +1260,61 @@ class _WorkspaceReporter(TorchDispatchMode):
         return result
 
 
-def _kernel_private_bytes(func, specs: list, tree, device: torch.device) -> int:
-    """Run one kernel alone on zero-filled tensors and return the bytes it held beyond its outputs."""
-    real = [spec.zeros() if isinstance(spec, _TensorSpec) else spec for spec in specs]
-    args, kwargs = tree_unflatten(real, tree)
-    inputs = {_storage_key(t) for t in _tensors(real)}
-    kept: list = []
-    with torch.no_grad():
-        rise = peak_bytes_during(lambda: kept.append(func(*args, **kwargs)), device)
-    outputs = _unique_bytes([t for t in _tensors(kept) if _storage_key(t) not in inputs], device)
-    return max(0, int(rise) - outputs)
+def _zero_filled(specs: list, tree) -> tuple[tuple, dict]:
+    """A recorded call's arguments, with a zero-filled tensor for each tensor spec."""
+    return tree_unflatten([spec.zeros() if isinstance(spec, _TensorSpec) else spec for spec in specs], tree)
+
+
+def _cuda_private_bytes(calls: dict, device: torch.device) -> dict[tuple, int]:
+    """Each kernel call alone: the CUDA allocator's peak rise during it, less its new outputs."""
+    workspaces = {}
+    for key, (func, specs, tree) in calls.items():
+        args, kwargs = _zero_filled(specs, tree)
+        inputs, kept = {_storage_key(t) for t in _tensors((args, kwargs))}, []
+        with torch.no_grad():
+            rise = int(peak_bytes_during(lambda: kept.append(func(*args, **kwargs)), device))
+        outputs = _unique_bytes([t for t in _tensors(kept) if _storage_key(t) not in inputs], device)
+        workspaces[key] = max(0, rise - outputs)
+    return workspaces
+
+
+def _cpu_private_bytes(calls: dict) -> dict[tuple, int]:
+    """Every kernel call in one profiler session, each in its own range: within a range, the
+    allocations' highest running total less what the range left allocated (its outputs)."""
+    from torch.profiler import record_function
+
+    labels = {f"labkit.kernel_workspace.{index}": key for index, key in enumerate(calls)}
+
+    def run_each() -> None:
+        for label, key in labels.items():
+            func, specs, tree = calls[key]
+            args, kwargs = _zero_filled(specs, tree)
+            with torch.no_grad(), record_function(label):
+                outputs = func(*args, **kwargs)
+            # after the range closes, so that the range ends holding the outputs; and before the
+            # next call's inputs exist, so that one call's tensors are alive at a time
+            del outputs, args, kwargs
+
+    stack, ranges = _profiled_events(run_each), {}
+    while stack:
+        node = stack.pop()
+        if node.name in labels:
+            ranges[labels[node.name]] = node
+        else:
+            stack.extend(node.children)
+    return {key: _held_beyond_outputs(_allocations_under([node])) for key, node in ranges.items()}
+
+
+def _held_beyond_outputs(events: list[tuple[int, int]]) -> int:
+    running, peak, live = 0, 0, {}
+    for ptr, delta in events:
+        running += delta
+        peak = max(peak, running)
+        if delta > 0:
+            live[ptr] = delta
+        else:
+            live.pop(ptr, None)
+    return max(0, peak - sum(live.values()))
 
 
 def _measure_workspaces(recorder: _WorkspaceRecorder, choice: str, model: nn.Module,
@@ -1290,8 +1335,8 @@ def _measure_workspaces(recorder: _WorkspaceRecorder, choice: str, model: nn.Mod
         if choice == "measure":
             raise LabkitError(f"kernel_workspace='measure' cannot measure on {device}: {reason}")
         return {}, f"kernel workspaces not measured: {reason}"
-    workspaces = {key: _kernel_private_bytes(func, specs, tree, device)
-                  for key, (func, specs, tree) in recorder.calls.items()}
+    workspaces = (_cpu_private_bytes(recorder.calls) if device.type == "cpu"
+                  else _cuda_private_bytes(recorder.calls, device))
     ops = sorted({key[0].name().removeprefix("aten::") for key in workspaces})
     return workspaces, (
         f"kernel workspace: measured by running each of the {len(workspaces)} distinct {', '.join(ops)} calls once, "
@@ -1516,20 +1561,31 @@ def _estimate_report(breakdown: dict[str, int], used_mem_tracker: bool, workspac
 # measurements
 
 
-def _allocation_events(fn: Callable[[], object]) -> list[tuple[int, int]]:
-    """(address, +bytes or -bytes) for every CPU allocator event while fn runs, in time order."""
-    from torch._C._profiler import _EventType
+def _profiled_events(fn: Callable[[], object]) -> list:
+    """The profiler's event tree (its roots) for one run of fn, with CPU allocator events."""
     from torch.profiler import ProfilerActivity, profile
 
     with _gc_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    stack, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    return list(prof.profiler.kineto_results.experimental_event_tree())
+
+
+def _allocations_under(roots: list) -> list[tuple[int, int]]:
+    """(address, +bytes or -bytes) for every CPU allocator event in these subtrees, in time order."""
+    from torch._C._profiler import _EventType
+
+    stack, events = list(roots), []
     while stack:
         node = stack.pop()
         stack.extend(node.children)
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
     return [(ptr, size) for _, ptr, size in sorted(events, key=lambda event: event[0])]
+
+
+def _allocation_events(fn: Callable[[], object]) -> list[tuple[int, int]]:
+    """(address, +bytes or -bytes) for every CPU allocator event while fn runs, in time order."""
+    return _allocations_under(_profiled_events(fn))
 
 
 def _no_allocator(device: torch.device) -> str | None:

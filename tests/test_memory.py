@@ -431,14 +431,14 @@ def test_a_meta_model_is_not_measured_unless_asked_and_then_only_kernel_by_kerne
     assert "kernel workspace" not in dict(automatic.rows)
     assert any("meta device" in note and "kernel_workspace='measure'" in note for note in automatic.notes)
     inputs_per_call = []
-    measure_one = memory._kernel_private_bytes
+    zero_filled = memory._zero_filled
 
-    def recording(func, specs, tree, device):
+    def recording(specs, tree):
         inputs_per_call.append(sum(math.prod(s.shape) * s.dtype.itemsize for s in specs
                                    if isinstance(s, memory._TensorSpec)))
-        return measure_one(func, specs, tree, device)
+        return zero_filled(specs, tree)
 
-    monkeypatch.setattr(memory, "_kernel_private_bytes", recording)
+    monkeypatch.setattr(memory, "_zero_filled", recording)
     measured = memory.estimate_step_peak(model, x, device="cpu", kernel_workspace="measure")
     activation_bytes = 64 * 16 * 32 * 32 * FLOAT  # 4 MiB: one layer's input
     assert int(measured["kernel workspace"]) > 0
