@@ -158,7 +158,8 @@ def _check_environment() -> Iterator[None]:
     """
     numpy_state = np.random.get_state()
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        torch.manual_seed(0)
+        # the CPU generator only: fork_rng(devices=[]) restores no CUDA state
+        torch.default_generator.manual_seed(0)
         np.random.seed(0)
         try:
             yield

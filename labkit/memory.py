@@ -1140,25 +1140,38 @@ def analytic_memory(model: nn.Module, *inputs, optimizer: str = "adamw", precisi
 
 
 def _optional_device(device) -> torch.device | None:
-    return None if device is None else torch.device(device)
+    """``torch.device(device)`` with an index: tensors say ``cuda:0``, and ``cuda`` != ``cuda:0``."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # even fake CUDA tensors need a CUDA build and driver: without them torch aborts the process
+        raise LabkitError(f"device={str(device)!r} needs CUDA, and this machine has none "
+                          "(torch.cuda.is_available() is False): use device='cpu' here, or run on a GPU machine")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 # --------------------------------------------------------------------------------------------
 # one training step, real or fake
 
 
-def _optimizer_factory(model: nn.Module, optimizer) -> Callable:
+def _optimizer_factory(model: nn.Module, optimizer, device: torch.device) -> Callable:
     if not any(p.requires_grad for p in model.parameters()):
         raise LabkitError(f"{type(model).__name__} has no trainable parameters, so a training step has "
                           "nothing to update: use saved_tensors for the forward's activations instead")
     if callable(optimizer):
         return optimizer
     _check_optimizer_name(optimizer)
+    # torch's own default (foreach on CUDA, a loop on CPU), stated: on fake tensors torch would
+    # always pick the loop, whose temporaries differ from the foreach kernels'.
+    foreach = device.type == "cuda"
     return {
-        "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
-        "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-        "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+        "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, foreach=foreach),
+        "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach),
+        "adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=foreach),
+        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=foreach),
     }[optimizer]
 
 
@@ -1513,8 +1526,9 @@ def estimate_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None
     allocator to read.
     """
     _check_model(model)
-    inputs, make_optimizer = _as_inputs(inputs), _optimizer_factory(model, optimizer)
+    inputs = _as_inputs(inputs)
     device = _optional_device(device) or _device_of(model, inputs)
+    make_optimizer = _optimizer_factory(model, optimizer, device)
     mode = FakeTensorMode()
     fake_model, fake_inputs = _fake_copy(model, inputs, mode, device=device)
     recorder = _WorkspaceRecorder()
@@ -1625,10 +1639,10 @@ def peak_bytes_during(fn: Callable[[], object], device="cpu") -> Reading:
 
 
 def _cuda_peak_rise(fn, device) -> int:
-    torch.cuda.synchronize(device)
-    start = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    with _gc_paused():
+    with _gc_paused():  # collect first, then read the baseline
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
         fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - start
@@ -1660,9 +1674,9 @@ def live_bytes_after_forward(model: nn.Module, *inputs) -> Reading:
 
 
 def _cuda_live_after(fn, device) -> Reading:
-    torch.cuda.synchronize(device)
-    start = torch.cuda.memory_allocated(device)
-    with _gc_paused():
+    with _gc_paused():  # collect first, then read the baseline
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
         fn()
     torch.cuda.synchronize(device)
     return Reading(torch.cuda.memory_allocated(device) - start, "B", "measured",
@@ -1689,8 +1703,9 @@ def measure_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None)
     device with no allocator to read, the rows say why instead of giving 0. Taught in ``13_memory``.
     """
     _check_model(model)
-    inputs, make_optimizer = _as_inputs(inputs), _optimizer_factory(model, optimizer)
+    inputs = _as_inputs(inputs)
     device = _device_of(model, inputs)
+    make_optimizer = _optimizer_factory(model, optimizer, device)
     reason = _no_allocator(device)
     if reason:
         return MemoryReport("Step peak (measured)", (("step 2 peak", Reading.unavailable("B", reason)),))

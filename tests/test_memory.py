@@ -489,6 +489,14 @@ def test_measuring_inside_a_running_profiler_is_refused_with_the_reason():
     assert any("profiler is already running" in note for note in automatic.notes)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_a_cuda_estimate_without_cuda_is_refused_instead_of_aborting():
+    with pytest.raises(LabkitError, match="device='cuda' needs CUDA, and this machine has none"):
+        memory.estimate_step_peak(mlp(), torch.randn(2, 8), device="cuda")
+    with pytest.raises(LabkitError, match="needs CUDA"):
+        memory.analytic_memory(mlp(), torch.randn(2, 8), device="cuda")
+
+
 def test_cuda_peak_without_cuda_is_unavailable_with_the_reason_not_zero():
     reading = memory.peak_bytes_during(lambda: None, "cuda")
     assert not reading.available and "would return 0 here" in reading.reason

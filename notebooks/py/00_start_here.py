@@ -78,8 +78,9 @@ print(claims.case("Z1").claim)
 # **Reproduce.** One leaf tensor `w`, two different losses, two backward passes, and nothing in between.
 
 # %%
-w = torch.randn(features, device=dev, requires_grad=True)
-x1, x2 = torch.randn(features, device=dev), torch.randn(features, device=dev)
+# drawn by the CPU's generator, then moved: a GPU's generator would draw other numbers
+w = torch.randn(features).to(dev).requires_grad_()
+x1, x2 = torch.randn(features).to(dev), torch.randn(features).to(dev)
 (w * x1).sum().backward()
 after_one = w.grad.clone()
 (w * x2).sum().backward()

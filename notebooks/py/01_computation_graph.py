@@ -346,8 +346,7 @@ def eager_and_compiled_step_times(blocks=8, size=1024, batch=512):
     torch.manual_seed(seed)
     eager_model = nn.Sequential(*[ResidualBlock(size) for _ in range(blocks)]).to(dev)
     compiled_model = torch.compile(nn.Sequential(*[ResidualBlock(size) for _ in range(blocks)]).to(dev))
-    inputs = torch.randn(batch, size, device=dev)
-    target = torch.randn(batch, size, device=dev)
+    inputs, target = torch.randn(batch, size).to(dev), torch.randn(batch, size).to(dev)
     results = {}
     for label, model in (("eager", eager_model), ("compiled", compiled_model)):
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -556,8 +555,7 @@ def make_training_step(layer_width, batch):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(layer_width, layer_width), nn.Tanh(), nn.Linear(layer_width, 10)).to(dev)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    inputs = torch.randn(batch, layer_width, device=dev)
-    labels = torch.randint(0, 10, (batch,), device=dev)
+    inputs, labels = torch.randn(batch, layer_width).to(dev), torch.randint(0, 10, (batch,)).to(dev)
 
     def step():
         optimizer.zero_grad()

@@ -75,7 +75,7 @@ print(claims.case("C1").claim)
 # remembers the version it was saved at, and backward refuses a saved tensor whose version moved.
 
 # %%
-h = torch.randn(3, device=dev, dtype=DTYPE)
+h = torch.randn(3, dtype=DTYPE).to(dev)
 version_before = h._version
 print(f"relu_ returns the same tensor: {h.relu_() is h}; version counter {version_before} -> {h._version}")
 
@@ -664,7 +664,7 @@ print("train-mode BatchNorm vs hand-written:", agreement(bn_report))
 # %%
 single = nn.BatchNorm1d(4).to(dev, DTYPE)
 try:
-    single(torch.randn(1, 4, device=dev, dtype=DTYPE))
+    single(torch.randn(1, 4, dtype=DTYPE).to(dev))
     single_outcome = "ran"
 except ValueError as error:
     single_outcome = error_summary(error)

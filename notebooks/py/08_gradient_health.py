@@ -549,17 +549,18 @@ print(claims.case("L3").claim)
 
 # %%
 def dropout_model(p):
+    # On the CPU: dropout draws its mask from the device's generator, and a GPU's draws other masks.
     torch.manual_seed(seed)
-    return on_device(nn.Sequential(nn.Dropout(p), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)))
+    return nn.Sequential(nn.Dropout(p), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)).to(DTYPE)
 
 
 bias_stats = {}
 for p in (0.5, 0.0):
     model = dropout_model(p)
     with GradTracer(model, full_every=1) as tracer:
-        hidden = model[1](model[0](x_train[:128]))
+        hidden = model[1](model[0](x_train[:128].cpu()))
         hidden.retain_grad()
-        F.cross_entropy(model[3](model[2](hidden)), y_train[:128]).backward()
+        F.cross_entropy(model[3](model[2](hidden)), y_train[:128].cpu()).backward()
         tracer.step()
     record = next(r for r in tracer.history() if r["param"] == "1.bias")
     bias_stats[p] = record

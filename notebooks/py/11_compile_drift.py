@@ -523,6 +523,7 @@ if dev.type == "cuda":
             + ", ".join(f"{w}: {s:.2f}x" for w, s in split_speedup.items())
             + "; the split graph has more nodes (5 captured ops against 1)"
         ),
+        device_dependent=True,
     )
 else:
     claims.check(

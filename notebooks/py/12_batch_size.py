@@ -94,7 +94,7 @@ def timing_mlp(width):
 
 def training_throughput(model, batch, width, min_run_time):
     """Samples per second of forward + backward at one batch size, and the utilisation meanwhile."""
-    x = torch.randn(batch, width, device=dev)
+    x = torch.randn(batch, width).to(dev)
 
     def forward_backward():
         model.zero_grad(set_to_none=True)
@@ -276,8 +276,7 @@ def small_cnn():
 
 def cnn_step_rate(model, optimizer, batch):
     """Images per second of full training steps at one batch size, and NVML utilisation meanwhile."""
-    images = torch.randn(batch, 3, 64, 64, device=dev)
-    labels = torch.randint(0, 10, (batch,), device=dev)
+    images, labels = torch.randn(batch, 3, 64, 64).to(dev), torch.randint(0, 10, (batch,)).to(dev)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -598,8 +597,8 @@ def utilisation_run(adaptive, windows=8, window_steps=20):
     """Batch size and mean NVML utilisation per window; None where NVML gives no reading."""
     model = small_cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    pool = torch.randn(max(scheduler_batches), 3, 64, 64, device=dev)
-    labels = torch.randint(0, 10, (len(pool),), device=dev)
+    pool = torch.randn(max(scheduler_batches), 3, 64, 64).to(dev)
+    labels = torch.randint(0, 10, (len(pool),)).to(dev)
     scheduler = UtilisationBatchScheduler(start=scheduler_batches[0], largest=max(scheduler_batches))
     size, history = scheduler.batch_size, []
     for _ in range(windows):

@@ -687,7 +687,7 @@ def compiled_step_memory(mode):
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(4096, 4096), nn.ReLU()) for _ in range(4)]).to(dev)
     runner = model if mode == "eager" else torch.compile(model, mode=mode)
-    x = torch.randn(64, 4096, device=dev)
+    x = torch.randn(64, 4096).to(dev)
 
     def step():
         runner(x).square().mean().backward()
