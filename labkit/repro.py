@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import os
 import random
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -77,6 +79,21 @@ def setup(seed: int = 0, device: str = "auto", deterministic: bool = True) -> to
     # notebooks keep IEEE float32 on purpose (TF32 would change the numbers they compare).
     warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix multiplication")
     return dev
+
+
+@contextlib.contextmanager
+def fastest_kernels() -> Iterator[None]:
+    """Torch's defaults for a timing: deterministic mode off, so cuDNN and cuBLAS may pick any
+    kernel (with ``cudnn.benchmark``, the fastest they find). `setup` turns deterministic mode on
+    for the stored outputs; a speed claim is measured as users run. Restores the mode on exit.
+    Taught in ``13_memory`` (case K3)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 # ---- the parameters cell -------------------------------------------------------------------

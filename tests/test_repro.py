@@ -30,6 +30,19 @@ def test_setup_makes_random_streams_repeat():
         repro.setup(seed=-1)
 
 
+def test_fastest_kernels_lifts_deterministic_mode_and_restores_it_even_on_error():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        repro.setup(seed=0, device="cpu")
+        assert torch.are_deterministic_algorithms_enabled()
+        with pytest.raises(ZeroDivisionError), repro.fastest_kernels():
+            assert not torch.are_deterministic_algorithms_enabled()
+            1 / 0
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def test_parameters_are_read_from_the_tagged_cell(make_notebook):
     nb = make_notebook("p", PARAMS, "print(steps)")
     assert repro.notebook_parameters(nb) == {"seed": 0, "device": "auto", "steps": 3, "lr": 0.1, "bug": False}

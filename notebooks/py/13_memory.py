@@ -405,8 +405,10 @@ arithmetic_holds = abs(bytes_moved / bandwidth - 0.6e-3) < 1e-9
 def backward_time(model, images, benchmark):
     torch.backends.cudnn.benchmark = benchmark
     try:
-        output = model(images)
-        return measure_time(lambda: output.sum().backward(retain_graph=True), device=dev, warmup=3)
+        # deterministic mode (repro.setup) would limit cuDNN to its deterministic kernels
+        with repro.fastest_kernels():
+            output = model(images)
+            return measure_time(lambda: output.sum().backward(retain_graph=True), device=dev, warmup=3)
     finally:
         torch.backends.cudnn.benchmark = False
 
