@@ -272,7 +272,9 @@ class GradTracer:
         if self._step_was_abandoned():
             self._close_step(None, skipped=True)
         self._accumulations[index] += 1
-        self._grad_objects[index] = grad = param.grad
+        grad = param.grad
+        if self._first_grad is None:
+            self._first_grad = (param, grad)
         if grad.requires_grad:  # backward(create_graph=True): keep the reductions off its graph
             grad = grad.detach()
         if grad.is_sparse:
@@ -285,13 +287,11 @@ class GradTracer:
         # step: zero_grad(set_to_none=True) ran without an update (GradScaler skips the update on
         # inf/NaN gradients). Micro-batches accumulate into the same tensor; create_graph=True
         # replaces it, so a replacement that requires grad does not count.
-        if self.optimizer is None:
+        if self.optimizer is None or self._first_grad is None:
             return False
-        for param, seen in zip(self._params, self._grad_objects):
-            if seen is not None:
-                grad = param.grad
-                return grad is not seen and (grad is None or not grad.requires_grad)
-        return False
+        param, seen = self._first_grad  # one parameter's .grad stands for all: O(1) in the hooks
+        grad = param.grad
+        return grad is not seen and (grad is None or not grad.requires_grad)
 
     def _on_activation(self, index: int, module: nn.Module, inputs: Any, output: Any) -> None:
         # Only forward passes that build a graph feed a gradient; evaluation under no_grad does not.
@@ -352,7 +352,8 @@ class GradTracer:
         count = len(self._params)
         self._pending: list[tuple[torch.Tensor, ...] | None] = [None] * count
         self._grads_seen: list[torch.Tensor | None] = [None] * count
-        self._grad_objects: list[torch.Tensor | None] = [None] * count
+        # The first parameter to get a gradient this step, and the .grad tensor it got.
+        self._first_grad: tuple[torch.Tensor, torch.Tensor] | None = None
         self._accumulations = [0] * count
         self._activation_pending = [None] * len(self._activation_modules)
         self._full_step = self._full_every > 0 and self._step % self._full_every == 0
