@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from labkit._torch_compat import foreach_copy_, foreach_norm, foreach_sub
 from labkit.errors import LabkitError
 
 
@@ -316,14 +317,14 @@ class GradTracer:
         pending[3] = pending[3] | alive
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        torch._foreach_copy_(self._params_before, [p.detach() for p in self._params])
+        foreach_copy_(self._params_before, [p.detach() for p in self._params])
 
     def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         update = None
         if self._trace_updates:
-            deltas = torch._foreach_sub([p.detach() for p in self._params], self._params_before)
+            deltas = foreach_sub([p.detach() for p in self._params], self._params_before)
             update = torch.stack(
-                [*torch._foreach_norm(deltas), *torch._foreach_norm(self._params_before)]
+                [*foreach_norm(deltas), *foreach_norm(self._params_before)]
             )
         self._close_step(update)
 
