@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "00_start_here.ipynb"
 
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_forgotten_zero_grad_stalls_training_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, {"bug": bug, "seed": 3, "steps": 40}, timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, {"bug": bug, "seed": 3, "steps": 40})
     assert result.status == "ok", result.error
     assert [c["verdict"] for c in result.claims] == ["holds"]
     if bug:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_computation_graph.ipynb"
 SMALL = {"seed": 1, "hidden": 16, "steps": 6, "depth": 6, "width": 16, "timing_seconds": 0.05}
@@ -21,7 +21,7 @@ MACHINE_INDEPENDENT = {
 def test_detached_block_is_unreachable_only_with_the_bug(tmp_path, bug):
     # The bug=False run also pools with kernel 2, stride 2, which tiles the 8x8 digits exactly.
     pooling = {} if bug else {"pool_kernel": 2, "pool_stride": 2}
-    result = repro.run_notebook(NOTEBOOK, tmp_path, dict(SMALL, bug=bug, **pooling), timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, dict(SMALL, bug=bug, **pooling))
     assert result.status == "ok", result.error
     verdicts = {record["id"]: record["verdict"] for record in result.claims}
     assert {case: verdicts[case] for case in MACHINE_INDEPENDENT} == MACHINE_INDEPENDENT

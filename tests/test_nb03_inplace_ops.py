@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_inplace_ops.ipynb"
 SMALL = {"seed": 1, "norm_width": 3, "norm_steps": 8, "triplet_steps": 10}
@@ -13,7 +13,7 @@ SMALL = {"seed": 1, "norm_width": 3, "norm_steps": 8, "triplet_steps": 10}
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_layer_norm_nan_and_inplace_triplet_error_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, {**SMALL, "bug": bug}, timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug})
     assert result.status == "ok", result.error
     assert [c["id"] for c in result.claims] == ["C1", "C2", "C3", "C4", "C5"]
     if bug:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_batchnorm_finetuning.ipynb"
 # Small, non-default settings: one seed, batch size 2 (where train mode hurts most), shorter runs.
@@ -17,7 +17,7 @@ PARAMETERS = {"seed": 1, "seeds": 1, "batch_size": 2, "pretrain_steps": 200, "fi
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_train_mode_backbone_drifts_and_loses_accuracy_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug), timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug))
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts == {"D1": "does-not-hold", "D2": "partly", "D3": "does-not-hold", "D4": "holds"}

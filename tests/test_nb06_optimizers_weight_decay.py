@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "06_optimizers_weight_decay.ipynb"
 # Small, non-default settings: fewer steps, one seed, a shorter schedule run, another decay value.
@@ -18,7 +18,7 @@ PARAMETERS = {"seed": 2, "steps": 200, "weight_decay": 0.05, "epochs": 6, "seeds
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_adam_weight_decay_collapses_untrained_weights_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug), timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug))
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts["E1"] == "partly" and verdicts["E2"] == "does-not-hold" and verdicts["E4"] == "does-not-hold"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "08_gradient_health.ipynb"
 # A faster warm-up, so that the run goes wrong within 100 steps.
@@ -13,7 +13,7 @@ SMALL = {"seed": 1, "steps": 100, "lr": 0.05, "lr_growth": 1.06, "micro_batches"
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_uncapped_warmup_explodes_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, {**SMALL, "bug": bug}, timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug})
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert set(verdicts) == {"L1", "L2", "L3", "L4", "L5"}

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "09_residual_design.ipynb"
 SMALL = {"seed": 1, "depths": [4, 8], "seeds": 1, "train_depths": [4], "train_steps": 10, "train_seeds": 1}
@@ -12,7 +12,7 @@ SMALL = {"seed": 1, "depths": [4, 8], "seeds": 1, "train_depths": [4], "train_st
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_relu_after_addition_gates_the_skip_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, {**SMALL, "bug": bug}, timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug})
     assert result.status == "ok", result.error
     assert [c["id"] for c in result.claims] == ["M1"]
     if bug:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "11_compile_drift.ipynb"
 SMALL = {"seed": 1, "backend": "aot_eager", "hidden": 16, "drift_steps": 40}
@@ -14,7 +14,7 @@ SMALL = {"seed": 1, "backend": "aot_eager", "hidden": 16, "drift_steps": 40}
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_the_compiled_flag_keeps_the_head_in_the_graph_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, {**SMALL, "bug": bug}, timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug})
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts == {"H4": "holds", "H1": "does-not-hold", "H2": "partly", "H3": "needs-gpu"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "12_batch_size.ipynb"
 SMALL = {"seed": 1, "noise_batches": [8, 16, 32, 64], "noise_draws": 60, "scheduler_batches": [16, 64, 256],
@@ -15,7 +15,7 @@ SMALL = {"seed": 1, "noise_batches": [8, 16, 32, 64], "noise_draws": 60, "schedu
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_summed_loss_scales_the_step_with_the_batch_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, {**SMALL, "bug": bug}, timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug})
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts["J2"] == "does-not-hold" and verdicts["J3"] == "holds"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "13_memory.ipynb"
 SMALL = {"seed": 2, "k1_batches": [1, 64], "vit_batches": [1], "resnet_batch": 8, "ffn_blocks": 3,
@@ -15,7 +15,7 @@ SMALL = {"seed": 2, "k1_batches": [1, 64], "vit_batches": [1], "resnet_batch": 8
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_running_loss_tensor_keeps_graphs_alive_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, {**SMALL, "bug": bug}, timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug})
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts["K2"] == verdicts["K7"] == verdicts["K8"] == "does-not-hold"

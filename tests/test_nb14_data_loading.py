@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "14_data_loading.ipynb"
 SMALL = {"seed": 5, "samples": 64, "batch_size": 32, "epochs": 1, "noisy_samples": 16, "sleep_ms": 1.0,
@@ -13,7 +13,7 @@ SMALL = {"seed": 5, "samples": 64, "batch_size": 32, "epochs": 1, "noisy_samples
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_dataset_owned_generator_duplicates_noise_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, dict(SMALL, bug=bug), timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, dict(SMALL, bug=bug))
     assert result.status == "ok", result.error
     verdicts = {claim["id"]: claim["verdict"] for claim in result.claims}
     assert verdicts["I1"] == "does-not-hold"

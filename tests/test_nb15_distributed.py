@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import repro
+from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "15_distributed.ipynb"
 SMALL = {"seed": 2, "per_rank_batch": 8, "steps": 4, "hidden": 16, "timeout_s": 30.0}
@@ -12,7 +12,7 @@ SMALL = {"seed": 2, "per_rank_batch": 8, "steps": 4, "hidden": 16, "timeout_s": 
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_per_rank_batchnorm_moves_the_loss_only_with_the_bug(tmp_path, bug):
-    result = repro.run_notebook(NOTEBOOK, tmp_path, dict(SMALL, bug=bug), timeout=300)
+    result = run_on_cpu(NOTEBOOK, tmp_path, dict(SMALL, bug=bug))
     assert result.status == "ok", result.error
     verdicts = {claim["id"]: claim["verdict"] for claim in result.claims}
     assert verdicts == {"O3": "holds", "O1": "does-not-hold", "O2b": "does-not-hold", "O2": "needs-gpu"}
