@@ -111,9 +111,9 @@ _TRACED_PARAMS: set[int] = set()
 
 @dataclass(frozen=True)
 class Alert:
-    """A gradient failure seen at one step: ``kind`` is one of `ALERT_KINDS`, ``name`` the
-    parameter (or module, for dead units), ``value`` the measured number and ``limit`` the
-    threshold it crossed. ``str(alert)`` is the sentence to print. `GradTracer.alerts` returns these."""
+    """A gradient failure seen at one step, as `GradTracer.alerts` returns it: ``kind`` is one of
+    `ALERT_KINDS`, ``name`` the parameter (or module, for dead units), ``value`` the measured
+    number and ``limit`` the threshold it crossed. ``str(alert)`` is the sentence to print."""
 
     kind: str
     step: int
