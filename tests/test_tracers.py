@@ -8,9 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+import labkit
+from labkit import tracers
 from labkit.errors import LabkitError
 from labkit.tracers import (
+    EXPLODE_MIN_BASELINE,
     HISTORY_KEYS,
+    NUMERIC_GRAD_STATS,
     GradTracer,
     autograd_graph,
     compare_grads,
@@ -18,6 +22,7 @@ from labkit.tracers import (
     plot_grad_histograms,
     plot_grad_stat,
 )
+from labkit.tracers.graph import _saved_tensor_failure
 
 # d(loss)/d(weight) is exactly GRAD_OF_WEIGHT for loss = (weight * GRAD_OF_WEIGHT).sum().
 GRAD_OF_WEIGHT = [3.0, -4.0, 0.0, 0.0, 2.0]
@@ -52,6 +57,39 @@ def hooks_left(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     forward_hooks = sum(len(m._forward_hooks) for m in model.modules())
     step_hooks = len(optimizer._optimizer_step_pre_hooks) + len(optimizer._optimizer_step_post_hooks)
     return grad_hooks + forward_hooks + step_hooks
+
+
+# ------------------------------------------------------------------ the package
+
+
+# Every public name of the single-module labkit.tracers that preceded the package.
+PUBLIC_NAMES = {
+    "ACTIVATION_KEYS", "ALERT_KINDS", "HISTORY_KEYS", "NUMERIC_GRAD_STATS", "SATURATED_DERIVATIVE",
+    "Alert", "AutogradGraph", "GradComparison", "GradDiff", "GradTracer", "GraphNode", "SavedTensor",
+    "autograd_graph", "compare_grads", "plot_grad_flow", "plot_grad_histograms", "plot_grad_stat",
+}  # fmt: skip
+
+
+def test_the_package_re_exports_every_public_name_of_its_modules():
+    assert PUBLIC_NAMES <= set(tracers.__all__)
+    for module in (tracers.grad_tracer, tracers.plots, tracers.compare, tracers.graph):
+        assert module.__doc__, module.__name__
+        for name in module.__all__:
+            assert getattr(tracers, name) is getattr(module, name), name
+    for name in ("GradTracer", "autograd_graph", "compare_grads", "plot_grad_flow", "plot_grad_stat"):
+        assert getattr(labkit, name) is getattr(tracers, name)
+
+
+def test_numeric_grad_stats_are_numeric_fields_of_a_history_record():
+    assert set(NUMERIC_GRAD_STATS) <= set(HISTORY_KEYS)
+    model = Weighted(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradTracer(model, optimizer, full_every=1, update_ratio=True) as tracer:
+        model(torch.tensor([1.0, 2.0])).backward()
+        optimizer.step()
+    (record,) = tracer.history()
+    assert all(isinstance(record[stat], (int, float)) for stat in NUMERIC_GRAD_STATS)
+    assert not any(isinstance(record[stat], bool) for stat in NUMERIC_GRAD_STATS)
 
 
 # ------------------------------------------------------------------ statistics
@@ -375,6 +413,18 @@ def test_a_gradient_ten_times_its_baseline_raises_an_exploding_alert():
     assert "50x its rolling median 1" in str(alert)
 
 
+@pytest.mark.parametrize("calm_steps", [EXPLODE_MIN_BASELINE - 1, EXPLODE_MIN_BASELINE])
+def test_an_exploding_alert_waits_for_its_minimum_baseline(calm_steps):
+    model = Weighted(2)
+    with GradTracer(model, baseline_steps=20) as tracer:
+        for scale in [1.0] * calm_steps + [50.0]:
+            model.weight.grad = None
+            model(torch.tensor([scale, 0.0])).backward()
+            tracer.step()
+    alerts = tracer.alerts("exploding")
+    assert [a.step for a in alerts] == ([] if calm_steps < EXPLODE_MIN_BASELINE else [calm_steps])
+
+
 def test_a_layer_far_below_the_largest_gradient_raises_a_vanishing_alert():
     model = nn.ModuleDict({"deep": Weighted(2), "top": Weighted(2)})
     with GradTracer(model, vanish_ratio=1e-3) as tracer:
@@ -530,6 +580,17 @@ def test_compare_grads_tells_exact_close_and_different_apart():
     assert str(report).splitlines()[1].split() == ["name", "exact", "approx", "maxdiff", "maxrel"]
 
 
+def test_a_comparison_prints_as_a_table_and_has_a_one_line_repr():
+    from IPython.lib.pretty import pretty
+
+    report = compare_grads({"x": torch.ones(2)}, {"x": torch.ones(2)})
+    table = "rtol=1e-05 atol=1e-08\nname  exact  approx  maxdiff    maxrel\nx     yes    yes     0          0"
+    assert str(report) == f"{report}" == table
+    assert pretty(report) == table  # what a notebook shows for a bare `report`
+    assert repr(report).startswith("GradComparison(rows=(GradDiff(name='x', exact=True,")
+    assert "\n" not in repr(report) and "\n" not in repr([report])
+
+
 def test_compare_grads_refuses_mismatched_sides():
     grad = torch.ones(3)
     with pytest.raises(LabkitError, match="only in a: \\['x'\\]"):
@@ -575,6 +636,27 @@ def test_graph_after_backward_says_saved_tensors_were_freed():
     mul = [n for n in graph.nodes if n.name == "MulBackward0"][0]
     assert mul.freed and mul.saved == ()
     assert graph.edges.count((1, 2)) == 2  # weight enters the product twice
+
+
+def test_torch_s_saved_tensor_errors_are_classified_by_their_message():
+    # _saved_tensor_failure reads torch's message text; these are torch's real errors, so a torch
+    # that rewords either message fails here, by name, rather than deep inside autograd_graph.
+    weight = torch.randn(3, requires_grad=True)
+    loss = (weight * weight).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError) as freed:
+        loss.grad_fn.next_functions[0][0]._saved_self
+    assert _saved_tensor_failure(freed.value) == "freed"
+
+    saved = torch.randn(3, requires_grad=True).clone()
+    product = (saved * weight).sum()
+    with torch.no_grad():
+        saved.add_(1.0)
+    with pytest.raises(RuntimeError) as modified:
+        product.grad_fn.next_functions[0][0]._saved_self
+    assert _saved_tensor_failure(modified.value) == "modified in place"
+
+    assert _saved_tensor_failure(RuntimeError("some other failure")) is None
 
 
 def test_graph_needs_a_tensor_with_a_grad_fn():

@@ -1,15 +1,5 @@
-"""Hook-based gradient tracers: which parameters got a gradient, how big, and when it went wrong.
-
-Three instruments, each taught in a notebook:
-
-- `GradTracer` (``08_gradient_health``): per-parameter gradient statistics from PyTorch's
-  ``register_post_accumulate_grad_hook``, optional activation statistics (forward hooks) and
-  update:data ratios (optimizer step hooks), alerts, a bounded history and plots
-  (`plot_grad_flow`, `plot_grad_stat`, `plot_grad_histograms`).
-- `compare_grads` (``02_gradients_accumulate``, ``11_compile_drift``): an exact / allclose /
-  max-diff report between two sets of gradients.
-- `autograd_graph` (``01_computation_graph``): the autograd graph behind a tensor, with the tensors
-  each node saved and the parameters the output cannot reach.
+"""`GradTracer`: per-parameter gradient statistics, step by step, from PyTorch's own hooks, with the
+records it keeps (`HISTORY_KEYS`, `ACTIVATION_KEYS`) and the alerts it raises (`Alert`).
 
 What a *step* is: one optimizer step. ``GradTracer(model, optimizer)`` closes a step in the
 optimizer's step post-hook; without an optimizer, call ``tracer.step()`` once per optimizer step.
@@ -23,8 +13,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -33,6 +23,17 @@ from torch import nn
 
 from labkit._torch_compat import foreach_copy_, foreach_norm, foreach_sub
 from labkit.errors import LabkitError
+
+__all__ = [
+    "ACTIVATION_KEYS",
+    "ALERT_KINDS",
+    "EXPLODE_MIN_BASELINE",
+    "HISTORY_KEYS",
+    "NUMERIC_GRAD_STATS",
+    "SATURATED_DERIVATIVE",
+    "Alert",
+    "GradTracer",
+]
 
 
 class _GradRow(NamedTuple):
@@ -83,7 +84,11 @@ class _ActivationRow(NamedTuple):
 # The keys of one `GradTracer.history()` record, in order, and of `activation_history()`.
 HISTORY_KEYS = _GradRow._fields
 ACTIVATION_KEYS = _ActivationRow._fields
-NUMERIC_GRAD_STATS = HISTORY_KEYS[6:14]
+# The per-step numbers of a record that `plot_grad_stat` can draw over steps: named, not sliced out
+# of HISTORY_KEYS, so that a field added to _GradRow cannot shift what this holds.
+NUMERIC_GRAD_STATS = (
+    "norm", "mean", "std", "max_abs", "mean_abs", "zero_frac", "nonfinite", "update_ratio",
+)  # fmt: skip
 ALERT_KINDS = ("vanishing", "exploding", "nonfinite", "dead_units", "missing", "skipped_step")
 
 # tanh' = 1 - y^2 and sigmoid' = y(1 - y); a unit is saturated when its derivative is under 2 % of
@@ -93,6 +98,11 @@ SATURATED_DERIVATIVE = 0.02
 _REDUCED_AS_IS = (torch.float32, torch.float64)
 _FULL_SCALARS = 6  # non-finite count, zero count, sum |g|, max |g|, finite min, finite max
 _NO_FULL_STATS = _FullStats()
+# An exploding alert compares a norm with the median of the parameter's last finite norms, and
+# waits until it has this many (or all `baseline_steps`, if fewer): the median of one or two norms
+# is just those steps' own, often the large, noisy norms of the first steps after initialisation,
+# while the median of five is unmoved by up to two outliers.
+EXPLODE_MIN_BASELINE = 5
 
 # Parameters (by id) that a GradTracer is attached to: two tracers on one parameter would run its
 # hooks twice and each would see half the truth.
@@ -101,9 +111,9 @@ _TRACED_PARAMS: set[int] = set()
 
 @dataclass(frozen=True)
 class Alert:
-    """A gradient failure seen at one step: ``kind`` is one of `ALERT_KINDS`, ``name`` the
-    parameter (or module, for dead units), ``value`` the measured number and ``limit`` the
-    threshold it crossed. ``str(alert)`` is the sentence to print. Taught in ``08_gradient_health``."""
+    """A gradient failure seen at one step, as `GradTracer.alerts` returns it: ``kind`` is one of
+    `ALERT_KINDS`, ``name`` the parameter (or module, for dead units), ``value`` the measured
+    number and ``limit`` the threshold it crossed. ``str(alert)`` is the sentence to print."""
 
     kind: str
     step: int
@@ -145,10 +155,13 @@ class GradTracer:
 
     Alerts (`alerts`): ``missing`` (a parameter that requires grad got none), ``nonfinite``,
     ``exploding`` (norm above ``explode_factor`` times the median of its last ``baseline_steps``
-    finite norms), ``vanishing`` (root-mean-square gradient at most ``vanish_ratio`` times the
-    step's largest) and ``dead_units`` (a ReLU module whose share of units that never fired in the
-    step reaches ``dead_above``, units along ``unit_dim``; needs ``activations=True``), and,
-    with an optimizer, ``skipped_step``: the step's gradients were zeroed
+    finite norms; only once it has `EXPLODE_MIN_BASELINE` = 5 of them, or all ``baseline_steps``
+    if fewer, so by default a parameter's first 5 finite norms raise none: the median of one or two
+    norms is just the noisy first steps' own, a median of five ignores two outliers), ``vanishing``
+    (root-mean-square gradient at most ``vanish_ratio`` times the step's largest) and
+    ``dead_units`` (a ReLU module whose share of units that never fired in the step reaches
+    ``dead_above``, units along ``unit_dim``; needs ``activations=True``), and, with an
+    optimizer, ``skipped_step``: the step's gradients were zeroed
     (``zero_grad(set_to_none=True)``, the default) without ``optimizer.step()`` running, as when
     ``GradScaler`` skips a step on inf/NaN gradients; the step is recorded and closed when the
     next forward or backward starts. (With ``set_to_none=False`` the tensors are zeroed in place
@@ -618,7 +631,7 @@ def _row_alert(
         return Alert("nonfinite", step, name, float(row.nonfinite), 0.0,
                      f"step {step}: '{name}' has {row.nonfinite} non-finite gradient values "
                      f"of {row.numel}")  # fmt: skip
-    if len(baseline) >= min(5, baseline.maxlen):
+    if len(baseline) >= min(EXPLODE_MIN_BASELINE, baseline.maxlen):
         typical = _median(baseline)
         if typical > 0 and row.norm > explode_factor * typical:
             return Alert("exploding", step, name, row.norm, explode_factor * typical,
@@ -648,479 +661,3 @@ def _dead_unit_alerts(rows: list[_ActivationRow], dead_above: float) -> list[Ale
         for row in rows
         if row.dead is not None and row.dead >= dead_above
     ]
-
-
-# --------------------------------------------------------------------- plots
-
-
-def plot_grad_flow(source: GradTracer | list[dict], step: int | None = None) -> Any:
-    """Gradient flow per parameter at one step: bars of max |g| and mean |g| on a log scale, and
-    "no grad" under every parameter that received none. Taught in ``08_gradient_health``.
-
-    ``source`` is a tracer or its `GradTracer.history` records. mean |g| is measured on
-    full-statistics steps, so ``step`` defaults to the latest one. Returns the figure."""
-    records = _records(source)
-    full_steps = sorted({r["step"] for r in records if r["mean_abs"] is not None})
-    if not full_steps:
-        raise LabkitError(
-            "mean |g| is measured on full-statistics steps and none was recorded: "
-            "use GradTracer(model, full_every=N) with N >= 1"
-        )
-    chosen = full_steps[-1] if step is None else step
-    rows = [r for r in records if r["step"] == chosen]
-    if not rows or chosen not in full_steps:
-        raise LabkitError(f"step {chosen} has no full statistics: pick one of {full_steps[-10:]}")
-    fig, ax = _subplots(figsize=(max(6.0, 0.5 * len(rows)), 4.0))
-    positions = range(len(rows))
-    ax.bar(positions, [_plottable(r["max_abs"]) for r in rows], color="c", alpha=0.4, label="max |g|")
-    ax.bar(positions, [_plottable(r["mean_abs"]) for r in rows], color="b", label="mean |g|")
-    for position, record in zip(positions, rows):
-        if record["missing"]:
-            ax.text(position, 0.02, "no grad", color="red", rotation=90, ha="center",
-                    va="bottom", transform=ax.get_xaxis_transform())  # fmt: skip
-    ax.set_xticks(list(positions), [r["param"] for r in rows], rotation=90)
-    ax.set_yscale("log")
-    ax.set_ylabel("gradient magnitude")
-    ax.set_title(f"gradient flow, step {chosen}")
-    ax.legend()
-    return fig
-
-
-def plot_grad_stat(
-    source: GradTracer | list[dict], stat: str = "norm", params: Iterable[str] | None = None
-) -> Any:
-    """One gradient statistic over steps, a line per parameter, log scale. Taught in
-    ``08_gradient_health``. ``stat`` is one of `NUMERIC_GRAD_STATS`. Returns the figure."""
-    if stat not in NUMERIC_GRAD_STATS:
-        raise LabkitError(f"unknown statistic {stat!r}: use one of {', '.join(NUMERIC_GRAD_STATS)}")
-    records = [r for r in _selected(_records(source), params) if r[stat] is not None]
-    if not records:
-        raise LabkitError(
-            f"no step recorded {stat!r}: max_abs, mean_abs and zero_frac come from full-statistics "
-            "steps (GradTracer(model, full_every=N)), update_ratio from update_ratio=True"
-        )
-    fig, ax = _subplots(figsize=(7.0, 4.0))
-    for name in dict.fromkeys(r["param"] for r in records):
-        points = [(r["step"], r[stat]) for r in records if r["param"] == name]
-        ax.plot([s for s, _ in points], [_plottable(v) for _, v in points], label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel(stat)
-    ax.legend(fontsize="small", ncols=2)
-    return fig
-
-
-def plot_grad_histograms(
-    source: GradTracer | list[dict], step: int | None = None, params: Iterable[str] | None = None
-) -> Any:
-    """Histograms of gradient values at one full-statistics step (the latest by default), one
-    panel per parameter, log counts. Taught in ``08_gradient_health``. Returns the figure."""
-    records = [r for r in _selected(_records(source), params) if r["hist_counts"] is not None]
-    if not records:
-        raise LabkitError(
-            "no gradient histogram recorded: histograms come from full-statistics steps, "
-            "use GradTracer(model, full_every=N) with N >= 1"
-        )
-    chosen = records[-1]["step"] if step is None else step
-    rows = [r for r in records if r["step"] == chosen]
-    if not rows:
-        raise LabkitError(f"step {chosen} has no histograms: full-statistics steps are multiples of full_every")
-    columns = min(4, len(rows))
-    lines = math.ceil(len(rows) / columns)
-    fig, axes = _subplots(lines, columns, figsize=(3.2 * columns, 2.4 * lines), squeeze=False)
-    for ax, record in zip(axes.flat, rows):
-        counts = record["hist_counts"]
-        width = (record["hist_hi"] - record["hist_lo"]) / len(counts)
-        edges = [record["hist_lo"] + k * width for k in range(len(counts) + 1)]
-        ax.stairs(counts, edges, fill=True)
-        ax.set_yscale("log")
-        ax.set_title(record["param"], fontsize="small")
-    for ax in list(axes.flat)[len(rows):]:
-        ax.set_visible(False)
-    fig.suptitle(f"gradient values, step {chosen}")
-    return fig
-
-
-def _subplots(*args: Any, **kwargs: Any) -> tuple:
-    # pyplot, so that the active backend (inline, widget, Agg) owns the figure; never shown here.
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(*args, layout="constrained", **kwargs)
-
-
-def _records(source: GradTracer | list[dict]) -> list[dict]:
-    records = source.history() if isinstance(source, GradTracer) else list(source)
-    if not records:
-        raise LabkitError("no gradient records to plot: trace at least one step first")
-    return records
-
-
-def _selected(records: list[dict], params: Iterable[str] | None) -> list[dict]:
-    if params is None:
-        return records
-    wanted = set([params] if isinstance(params, str) else params)
-    unknown = wanted - {r["param"] for r in records}
-    if unknown:
-        raise LabkitError(f"no records for {sorted(unknown)}: use names from tracer.names")
-    return [r for r in records if r["param"] in wanted]
-
-
-def _plottable(value: float | None) -> float:
-    # A log axis cannot show 0, None or inf; NaN leaves a gap instead of breaking the plot.
-    return value if value is not None and math.isfinite(value) and value > 0 else math.nan
-
-
-# --------------------------------------------------------------------- compare_grads
-
-
-@dataclass(frozen=True)
-class GradDiff:
-    """One parameter's row of a `GradComparison`."""
-
-    name: str
-    exact: bool
-    close: bool
-    max_abs_diff: float
-    max_rel_diff: float
-    dtype_a: str
-    dtype_b: str
-
-
-@dataclass(frozen=True)
-class GradComparison:
-    """Per-parameter comparison of two gradient sets; prints as a table. Taught in
-    ``02_gradients_accumulate`` and ``11_compile_drift``.
-
-    ``exact``: equal after casting to float64 (NaN matches NaN). ``close``:
-    ``torch.allclose(a, b, rtol, atol, equal_nan=True)``, with b as the reference.
-    ``max_rel_diff``: the largest ``|a - b| / max(|a|, |b|)`` (0 where both are 0)."""
-
-    rows: tuple[GradDiff, ...]
-    rtol: float
-    atol: float
-
-    @property
-    def all_exact(self) -> bool:
-        return all(row.exact for row in self.rows)
-
-    @property
-    def all_close(self) -> bool:
-        return all(row.close for row in self.rows)
-
-    def records(self) -> list[dict]:
-        return [asdict(row) for row in self.rows]
-
-    def __str__(self) -> str:
-        width = max(len("name"), *(len(row.name) for row in self.rows))
-        lines = [
-            f"rtol={self.rtol:g} atol={self.atol:g}",
-            f"{'name':<{width}}  exact  approx  maxdiff    maxrel",
-        ]
-        for row in self.rows:
-            lines.append(
-                f"{row.name:<{width}}  {_yes_no(row.exact):<5}  {_yes_no(row.close):<6}  "
-                f"{row.max_abs_diff:<9.3g}  {row.max_rel_diff:.3g}"
-            )
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-
-def compare_grads(
-    a: nn.Module | Mapping[str, torch.Tensor],
-    b: nn.Module | Mapping[str, torch.Tensor],
-    *,
-    rtol: float = 1e-5,
-    atol: float = 1e-8,
-) -> GradComparison:
-    """Compare two sets of gradients parameter by parameter: eager vs compiled, fp32 vs fp64,
-    accumulated vs full batch. Taught in ``02_gradients_accumulate`` and ``11_compile_drift``.
-
-    ``a`` and ``b`` are models (their parameters' ``.grad``, for the parameters that require
-    grad) or mappings from name to tensor. Both must hold the same names, shapes and a gradient for
-    every name. Values are compared in float64 on the CPU."""
-    grads_a, grads_b = _named_grads(a, "a"), _named_grads(b, "b")
-    only_a, only_b = grads_a.keys() - grads_b.keys(), grads_b.keys() - grads_a.keys()
-    if only_a or only_b:
-        raise LabkitError(
-            f"the two sides name different parameters (only in a: {sorted(only_a)}, only in b: "
-            f"{sorted(only_b)}): compare two copies of the same model"
-        )
-    rows = tuple(_diff_row(name, grads_a[name], grads_b[name], rtol, atol) for name in grads_a)
-    return GradComparison(rows, rtol, atol)
-
-
-def _named_grads(side: nn.Module | Mapping[str, torch.Tensor], label: str) -> dict:
-    if isinstance(side, nn.Module):
-        grads = {n: p.grad for n, p in side.named_parameters() if p.requires_grad}
-    elif isinstance(side, Mapping):
-        grads = dict(side)
-    else:
-        raise LabkitError(
-            f"{label} is a {type(side).__name__}: pass a model or a dict of name -> gradient tensor"
-        )
-    if not grads:
-        raise LabkitError(f"{label} holds no gradients to compare: pass a model with trainable parameters")
-    for name, grad in grads.items():
-        if not isinstance(grad, torch.Tensor):
-            raise LabkitError(
-                f"'{name}' has no gradient in {label} (got {type(grad).__name__}): "
-                "run backward on both sides before comparing"
-            )
-    return grads
-
-
-def _diff_row(name: str, a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> GradDiff:
-    if a.shape != b.shape:
-        raise LabkitError(
-            f"'{name}' has shape {tuple(a.shape)} in a and {tuple(b.shape)} in b: "
-            "compare gradients of the same architecture"
-        )
-    x = a.detach().to("cpu", torch.float64)
-    y = b.detach().to("cpu", torch.float64)
-    same = (x == y) | (x.isnan() & y.isnan())
-    # inf - inf and mismatched NaNs are NaN; count them as an infinite difference.
-    diff = torch.where(same, 0.0, (x - y).abs().nan_to_num(nan=math.inf))
-    scale = torch.maximum(x.abs(), y.abs())
-    relative = torch.where(same, 0.0, (diff / scale).nan_to_num(nan=math.inf))
-    empty = diff.numel() == 0
-    return GradDiff(
-        name=name,
-        exact=bool(same.all()),
-        close=torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True),
-        max_abs_diff=0.0 if empty else diff.max().item(),
-        max_rel_diff=0.0 if empty else relative.max().item(),
-        dtype_a=str(a.dtype).removeprefix("torch."),
-        dtype_b=str(b.dtype).removeprefix("torch."),
-    )
-
-
-def _yes_no(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
-# --------------------------------------------------------------------- autograd graph
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """A tensor an autograd node saved for backward: ``name`` is the attribute without its
-    ``_saved_`` prefix; ``nbytes`` is numel x element size of the saved view."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GraphNode:
-    """One node of an `AutogradGraph`: a backward function, or (``leaf`` set) the
-    ``AccumulateGrad`` node that writes a leaf tensor's ``.grad``. ``depth`` is the longest
-    path from the output's node. ``freed``: backward already released the saved tensors."""
-
-    index: int
-    name: str
-    depth: int
-    saved: tuple[SavedTensor, ...]
-    freed: bool
-    leaf: str | None
-
-
-@dataclass(frozen=True)
-class AutogradGraph:
-    """The autograd graph behind a tensor, walked from its ``grad_fn`` through
-    ``next_functions``. Taught in ``01_computation_graph``.
-
-    ``edges`` are ``(node, next_node)`` index pairs in the direction gradient flows (one per
-    input, so repeated pairs mean a tensor used twice). ``leaves``: names of the leaf tensors
-    reached. ``unreachable_params``: parameters that require grad but no path reaches: this is
-    where gradient flow is cut (``detach()``, ``no_grad``, or not used). ``frozen_params``:
-    ``requires_grad=False``."""
-
-    nodes: tuple[GraphNode, ...]
-    edges: tuple[tuple[int, int], ...]
-    unreachable_params: tuple[str, ...]
-    frozen_params: tuple[str, ...]
-
-    @property
-    def leaves(self) -> list[str]:
-        return [node.leaf for node in self.nodes if node.leaf is not None]
-
-    def to_dot(self) -> str:
-        """The graph as Graphviz DOT text (no Graphviz needed to produce it)."""
-        lines = ["digraph autograd {", '  node [shape=box, fontname="Helvetica"];']
-        for node in self.nodes:
-            style = ', shape=ellipse, style=filled, fillcolor="lightblue"' if node.leaf else ""
-            lines.append(f'  n{node.index} [label="{_dot_escape(_node_label(node))}"{style}];')
-        lines += [f"  n{src} -> n{dst};" for src, dst in self.edges]
-        for k, (name, note) in enumerate(self._cut_params()):
-            lines.append(f'  cut{k} [label="{_dot_escape(name)}\\n({note})", color=red, style=dashed];')
-        lines.append("}")
-        return "\n".join(lines)
-
-    def draw(self) -> Any:
-        """Draw the graph with matplotlib in layers by depth: the output's node on top, leaves
-        (blue) below, cut parameters (red, dashed) in a last row. Returns the figure."""
-        layers: dict[int, list[GraphNode]] = {}
-        for node in self.nodes:
-            layers.setdefault(node.depth, []).append(node)
-        cut = self._cut_params()
-        rows = len(layers) + (1 if cut else 0)
-        widest = max([len(nodes) for nodes in layers.values()] + [len(cut)])
-        fig, ax = _subplots(figsize=(max(4.0, 2.6 * widest), max(3.0, 1.3 * rows)))
-        where = {}
-        for depth, nodes in layers.items():
-            for k, node in enumerate(nodes):
-                where[node.index] = (k - (len(nodes) - 1) / 2, -depth)
-        for src, dst in self.edges:
-            ax.annotate("", xy=where[dst], xytext=where[src],
-                        arrowprops={"arrowstyle": "->", "color": "0.4", "shrinkA": 14, "shrinkB": 14})  # fmt: skip
-        for node in self.nodes:
-            colour = "lightblue" if node.leaf else "lightyellow"
-            ax.text(*where[node.index], _node_label(node), ha="center", va="center", fontsize=7,
-                    bbox={"boxstyle": "round", "facecolor": colour})  # fmt: skip
-        for k, (name, note) in enumerate(cut):
-            ax.text(k - (len(cut) - 1) / 2, -len(layers), f"{name}\n({note})", ha="center",
-                    va="center", fontsize=7, color="red",
-                    bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "red", "linestyle": "--"})  # fmt: skip
-        ax.set_xlim(-widest / 2 - 0.5, widest / 2 + 0.5)
-        ax.set_ylim(-rows + 0.5, 0.5)
-        ax.axis("off")
-        return fig
-
-    def _cut_params(self) -> list[tuple[str, str]]:
-        return [(name, "unreachable") for name in self.unreachable_params] + [
-            (name, "frozen") for name in self.frozen_params
-        ]
-
-
-def autograd_graph(
-    output: torch.Tensor,
-    params: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
-) -> AutogradGraph:
-    """Walk the autograd graph that ``output.backward()`` would traverse. Taught in
-    ``01_computation_graph``.
-
-    ``params`` (a model, a dict, or ``model.named_parameters()``) names the leaves and lets the
-    graph report parameters the output cannot reach. Saved tensors are read from each node's
-    ``_saved_*`` attributes; after a backward without ``retain_graph=True`` they are gone and the
-    node says ``freed``."""
-    if not isinstance(output, torch.Tensor):
-        raise LabkitError(f"autograd_graph walks from a tensor, got {type(output).__name__}")
-    if output.grad_fn is None:
-        raise LabkitError(
-            "this tensor has no grad_fn, so there is no graph behind it: it is a leaf, or it was "
-            "computed under torch.no_grad() or from detached tensors; pass the loss itself"
-        )
-    named = _named_params(params)
-    functions, edges = _walk(output.grad_fn)
-    depths = _longest_depths(len(functions), edges)
-    names = {id(tensor): name for name, tensor in named.items()}
-    nodes = tuple(_graph_node(k, fn, depths[k], names) for k, fn in enumerate(functions))
-    reached = {id(fn.variable) for fn in functions if hasattr(fn, "variable")}
-    unreachable = tuple(n for n, p in named.items() if p.requires_grad and id(p) not in reached)
-    frozen = tuple(n for n, p in named.items() if not p.requires_grad)
-    return AutogradGraph(nodes, tuple(edges), unreachable, frozen)
-
-
-def _named_params(params: Any) -> dict[str, torch.Tensor]:
-    if params is None:
-        return {}
-    if isinstance(params, nn.Module):
-        return dict(params.named_parameters())
-    named = dict(params.items() if isinstance(params, Mapping) else params)
-    if not all(isinstance(t, torch.Tensor) for t in named.values()):
-        raise LabkitError("params must map names to tensors: pass model.named_parameters()")
-    return named
-
-
-def _walk(root: Any) -> tuple[list[Any], list[tuple[int, int]]]:
-    # Breadth-first, so node numbering follows distance from the output and is reproducible.
-    functions, index, edges = [root], {id(root): 0}, []
-    queue = deque([root])
-    while queue:
-        fn = queue.popleft()
-        for next_fn, _ in fn.next_functions:
-            if next_fn is None:
-                continue
-            if id(next_fn) not in index:
-                index[id(next_fn)] = len(functions)
-                functions.append(next_fn)
-                queue.append(next_fn)
-            edges.append((index[id(fn)], index[id(next_fn)]))
-    return functions, edges
-
-
-def _longest_depths(count: int, edges: list[tuple[int, int]]) -> list[int]:
-    # Longest path from the root in topological order, so every node sits below all its users.
-    users = [0] * count
-    targets: list[list[int]] = [[] for _ in range(count)]
-    for src, dst in edges:
-        users[dst] += 1
-        targets[src].append(dst)
-    depth, ready = [0] * count, deque([0])
-    while ready:
-        node = ready.popleft()
-        for dst in targets[node]:
-            depth[dst] = max(depth[dst], depth[node] + 1)
-            users[dst] -= 1
-            if users[dst] == 0:
-                ready.append(dst)
-    return depth
-
-
-def _graph_node(index: int, fn: Any, depth: int, names: dict[int, str]) -> GraphNode:
-    leaf = None
-    if hasattr(fn, "variable"):
-        tensor = fn.variable
-        leaf = names.get(id(tensor), f"leaf {tuple(tensor.shape)}")
-    saved, freed = _saved_tensors(fn)
-    return GraphNode(index, type(fn).__name__, depth, saved, freed, leaf)
-
-
-def _saved_tensors(fn: Any) -> tuple[tuple[SavedTensor, ...], bool]:
-    saved = []
-    for attribute in sorted(a for a in dir(fn) if a.startswith("_saved_")):
-        try:
-            value = getattr(fn, attribute)
-        except RuntimeError as error:
-            if "modified by an inplace operation" in str(error):
-                raise LabkitError(
-                    f"{type(fn).__name__} saved a tensor that was modified in place after the forward "
-                    "(an optimizer.step() or an in-place op), so its saved values are gone: call "
-                    "autograd_graph right after the forward, before anything updates tensors in place"
-                ) from error
-            if "freed" not in str(error):
-                raise
-            return (), True
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        label = attribute.removeprefix("_saved_")
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        for k, tensor in enumerate(tensors):
-            saved.append(SavedTensor(
-                label if len(tensors) == 1 else f"{label}[{k}]", tuple(tensor.shape),
-                str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size(),
-            ))  # fmt: skip
-    return tuple(saved), False
-
-
-def _node_label(node: GraphNode) -> str:
-    if node.leaf is not None:
-        return node.leaf
-    details = [f"{s.name}: {list(s.shape)} {s.dtype} {_size(s.nbytes)}" for s in node.saved]
-    if node.freed:
-        details = ["saved tensors freed"]
-    return "\n".join([node.name, *details])
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if nbytes < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
-
-
-def _dot_escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
