@@ -57,7 +57,7 @@ _REGISTRY: dict[str, Exercise] = {}
 def exercise(exercise_id: str, *, notebook: str, title: str, hint: str, planted: str) -> Callable:
     """Register the decorated function as the check for ``exercise_id``.
 
-    The ID is ``NN.K`` where ``NN`` is the notebook's number, so ``00.1`` belongs to ``00_start_here``.
+    The ID is ``NN.K`` where ``NN`` is the notebook's number: ``00.1`` is the first exercise of notebook 00.
     ``planted`` is a phrase the check's diagnosis of the notebook's planted bug must contain:
     tests/test_exercises.py runs the planted-bug cell and fails unless the check rejects it for
     that reason, not because something crashed.
