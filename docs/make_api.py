@@ -27,7 +27,6 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "API.md"

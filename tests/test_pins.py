@@ -31,11 +31,15 @@ def test_environment_yml_lists_the_same_pins():
     assert "python=3.11" in env["dependencies"]
 
 
+def normalise(name):
+    """pip's spelling rule: PyYAML, pyyaml and py_yaml name one package."""
+    return name.lower().replace("_", "-")
+
+
 def test_lock_file_agrees_with_direct_pins():
     locked = dict(
         line.split("==", 1) for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line
     )
-    normalise = lambda name: name.lower().replace("_", "-")
     locked = {normalise(k): v for k, v in locked.items()}
     for pin in pyproject_pins():
         name, version = pin.split("==")

@@ -114,7 +114,7 @@ def test_docstring_pointers_name_a_notebook_that_uses_the_name(module_name):
     problems = api.pointer_problems(module_name)
     assert not problems, (
         "a docstring's `NN_name` must name a notebook whose notebooks/py twin uses that name "
-        f"(see docs/API.md for where each is used):\n" + "\n".join(problems)
+        "(see docs/API.md for where each is used):\n" + "\n".join(problems)
     )
 
 
