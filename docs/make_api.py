@@ -54,8 +54,13 @@ def all_modules() -> tuple[str, ...]:
     """Every module and package of labkit, private ones included, found by walking the package."""
     import labkit
 
-    walked = [info.name for info in pkgutil.walk_packages(labkit.__path__, "labkit.")]
+    walked = [info.name for info in pkgutil.walk_packages(labkit.__path__, "labkit.", onerror=_unimportable)]
     return ("labkit", *sorted(walked))
+
+
+def _unimportable(package_name: str) -> None:
+    # walk_packages would skip the package silently, and every check here would miss its modules
+    raise ImportError(f"{package_name} cannot be imported, so its modules cannot be checked: fix the import first")
 
 
 def is_public(module_name: str) -> bool:
