@@ -12,7 +12,7 @@ NAME ?= workbook
 CHROMIUM := /usr/bin/chromium
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab notebooks workbook test test-unit test-notebooks test-browser test-gpu student bench repro clean
+.PHONY: help setup hooks lab notebooks workbook test test-unit test-notebooks test-browser test-gpu lint api student bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -23,7 +23,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[dev]'
 	@touch $(STAMP)
 
-setup: $(STAMP) ## create .venv with the pinned packages (idempotent)
+setup: $(STAMP) hooks ## create .venv with the pinned packages and install the git hooks (idempotent)
+
+# pre-commit install only writes .git/hooks/pre-commit (no download). Outside a git checkout, or where
+# git refuses (core.hooksPath set), setup goes on without the hooks.
+hooks: $(STAMP) ## install the git hooks of .pre-commit-config.yaml (skipped outside a git checkout)
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
+		$(VENV)/bin/pre-commit install >/dev/null 2>&1 && echo "git hooks installed: see .pre-commit-config.yaml" \
+		|| echo "git hooks not installed: run $(VENV)/bin/pre-commit install to see why"; \
+	fi
 
 lab: $(STAMP) ## open the workbook in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks/00_start_here.ipynb
@@ -34,7 +42,8 @@ notebooks: $(STAMP) ## re-execute notebooks in place and sync their py/ twins (N
 workbook: $(STAMP) ## run every notebook with papermill into runs/$(NAME)/ and write summary.md/.html
 	$(PY) -m labkit workbook $(NB) --out runs/$(NAME)
 
-test: $(STAMP) ## unit tests, nbval over every notebook, then the workbook in a real browser (what CI runs)
+test: $(STAMP) ## lint, unit tests, nbval over every notebook, then the workbook in a real browser (what CI runs)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests -q --ignore=tests/browser
 	$(PY) -m pytest notebooks -q $(NBVAL)
 	$(MAKE) --no-print-directory test-browser
@@ -51,6 +60,12 @@ test-notebooks: $(STAMP) ## only nbval over the notebooks (NB=05 for one)
 
 test-gpu: ## GPU-marked tests, nbval over the notebooks and the probe benchmark on a CUDA machine (skips with the reason elsewhere)
 	bash .ci/gpu-runner
+
+lint: $(STAMP) ## ruff over the Python outside notebooks/ (rules in pyproject.toml)
+	$(VENV)/bin/ruff check .
+
+api: $(STAMP) ## regenerate docs/API.md, the list of labkit's public API
+	$(PY) docs/make_api.py --write
 
 student: $(STAMP) ## write the student edition into student/ (solutions removed, outputs cleared)
 	$(PY) -m labkit student notebooks student

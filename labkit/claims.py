@@ -21,6 +21,8 @@ from pathlib import Path
 
 from labkit.errors import LabkitError
 
+__all__ = ["case", "check", "metric", "table"]
+
 VERDICTS = ("holds", "does-not-hold", "partly", "needs-gpu", "untestable")
 MEASURED_VERDICTS = ("holds", "does-not-hold", "partly")
 CLAIM_MIME = "application/vnd.labkit.claim+json"

@@ -13,6 +13,8 @@ import torch
 
 from labkit.errors import LabkitError
 
+__all__ = ["Split", "digits", "digits_tasks", "regression"]
+
 
 @dataclass(frozen=True)
 class Split:
@@ -40,7 +42,7 @@ def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 def digits(test_fraction: float = 0.25, seed: int = 0, images: bool = False,
            classes: tuple[int, ...] | None = None) -> Split:
-    """scikit-learn's digits as a seeded train/test split (used from `02_gradients_accumulate` on).
+    """scikit-learn's digits as a seeded train/test split (used from `01_computation_graph` on).
 
     `images=True` gives (N, 1, 8, 8) for conv nets; `classes` keeps only those digits and relabels
     them 0..k-1 in the order given.

@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from labkit.errors import LabkitError
 
+__all__ = ["RankFailure", "run_ranks"]
+
 BACKEND = "gloo"
 LOOPBACK_INTERFACE = "lo"
 # After the first failure, how long to wait for the other ranks' news before stopping them: it lets

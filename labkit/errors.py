@@ -4,6 +4,8 @@ Every message says what was wrong and what to do about it, so a learner reading 
 knows the next step without opening labkit's source.
 """
 
+__all__ = ["LabkitError"]
+
 
 class LabkitError(ValueError):
     """Bad input to a labkit instrument: the message names the problem and the fix."""

@@ -39,6 +39,8 @@ from decimal import Decimal
 
 from labkit.errors import LabkitError
 
+__all__ = ["choice", "explore", "slider"]
+
 ERROR_METADATA_KEY = "labkit_explorer_error"
 STDERR_MIME = "application/vnd.jupyter.stderr"
 SEPARATOR = " · "

@@ -33,6 +33,8 @@ from labkit import claims
 from labkit.errors import LabkitError
 from labkit.exercises import Exercise, NotYet, exercise_order, registry
 
+__all__ = ["EXERCISE_NAMESPACE", "check", "score"]
+
 GRADE_MIMETYPE = "application/vnd.labkit.grade+json"
 
 # The only names an exercise cell (planted bug or answer) may use besides what it defines itself,

@@ -13,6 +13,8 @@ from typing import TextIO, TypeVar
 
 from labkit.errors import LabkitError
 
+__all__ = ["track"]
+
 T = TypeVar("T")
 
 

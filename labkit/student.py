@@ -22,6 +22,9 @@ import nbformat
 
 from labkit.errors import LabkitError
 
+# Used through `python -m labkit student` (make student); nothing here is imported by name.
+__all__: list[str] = []
+
 BEGIN_SOLUTION = "### BEGIN SOLUTION"
 END_SOLUTION = "### END SOLUTION"
 EXERCISE_HEADER = re.compile(r"^# exercise (\d{2}\.\d+)\s*$")

@@ -1,5 +1,7 @@
 """Every exercise, three ways: the solution passes its check, the student stub fails it as "not
-attempted yet", and the planted bug fails it. A check that passes on its planted bug fails here.
+attempted yet", and the planted bug fails it for the reason registered as `planted=`. A check that
+passes on its planted bug, or rejects it only because the check or the cell crashed, fails here;
+so does a check that passes trivial answers.
 
 Exercises are discovered in notebooks/NN_*.ipynb.
 Each cell runs alone in a fresh copy of `grading.EXERCISE_NAMESPACE`, as AUTHORING.md promises.
@@ -78,14 +80,56 @@ def test_student_stub_fails_with_the_not_attempted_message(cells):
     assert "\n" not in result.message and "Traceback" not in result.message
 
 
+def problem_of(message: str) -> str:
+    """The diagnosis part of a failed check's line, without the hint."""
+    return message.split(". Hint: ", 1)[0]
+
+
+def grading_crash(function: str, problem: str) -> str | None:
+    """What crashed, if the check rejected the answer because of a crash rather than a diagnosis.
+
+    grading says "<function> raised ..." when the cell raised (a name missing from
+    EXERCISE_NAMESPACE, say) and "checking what <function> returned failed ..." when the check
+    itself did. Where raising is the bug's symptom, the check catches it and names it in its own
+    words (03.1: "backward through your output raised RuntimeError"), which neither phrase matches.
+    """
+    for crash in (f"{function} raised ", f"checking what {function} returned failed"):
+        if crash in problem:
+            return crash
+    return None
+
+
 @pytest.mark.parametrize("cells", CASES)
-def test_planted_bug_fails_its_check_with_a_reason(cells):
+def test_planted_bug_fails_its_check_with_its_registered_diagnosis(cells):
     answer = define(cells.planted_bug, cells.function)
     result = grading.run_check(cells.exercise, answer)
+    planted = exercises.registry()[cells.exercise].planted
+    problem = problem_of(result.message)
     assert not result.passed, f"the check for {cells.exercise} passes on its planted bug: {result.message}"
     assert result.message.startswith(f"✗ Exercise {cells.exercise} not yet: ")
-    assert "not attempted" not in result.message
+    assert planted in problem, f"expected the diagnosis to say {planted!r}: {result.message}"
+    assert "not attempted" not in problem
+    assert grading_crash(cells.function, problem) is None, result.message
     assert grading.run_check(cells.exercise, answer) == result
+
+
+def test_the_crash_detector_recognises_both_crash_messages():
+    assert grading_crash("f", "f raised NameError: name 'torch_nn' is not defined") == "f raised "
+    assert grading_crash("f", "checking what f returned failed with TypeError: x") == "checking what f returned failed"
+    assert grading_crash("f", "backward through your output raised RuntimeError: one of the variables") is None
+
+
+TRIVIAL_ANSWERS = {
+    "returns None": lambda *args, **kwargs: None,
+    "returns its first argument": lambda *args, **kwargs: args[0] if args else next(iter(kwargs.values()), None),
+}
+
+
+@pytest.mark.parametrize("trivial", TRIVIAL_ANSWERS)
+@pytest.mark.parametrize("cells", CASES)
+def test_a_trivial_answer_fails_the_check(cells, trivial):
+    result = grading.run_check(cells.exercise, TRIVIAL_ANSWERS[trivial])
+    assert not result.passed, f"the check for {cells.exercise} passes an answer that {trivial}: {result.message}"
 
 
 def registered_notebooks() -> list[str]:
@@ -122,11 +166,16 @@ def test_registry_is_in_course_order_and_names_notebooks():
 )
 def test_exercise_registration_rejects_bad_ids(exercise_id, notebook, problem):
     with pytest.raises(LabkitError, match=problem):
-        exercises.exercise(exercise_id, notebook=notebook, title="t", hint="h")
+        exercises.exercise(exercise_id, notebook=notebook, title="t", hint="h", planted="p")
+
+
+def test_an_exercise_without_a_planted_diagnosis_is_refused():
+    with pytest.raises(LabkitError, match="needs planted="):
+        exercises.exercise("00.9", notebook="00_start_here", title="t", hint="h", planted=" ")
 
 
 def test_an_id_registered_by_another_module_is_refused(monkeypatch):
     monkeypatch.setattr(exercises, "_REGISTRY", dict(exercises.registry()))
-    register = exercises.exercise("00.1", notebook="00_start_here", title="t", hint="h")
+    register = exercises.exercise("00.1", notebook="00_start_here", title="t", hint="h", planted="p")
     with pytest.raises(LabkitError, match="registered twice"):
         register(lambda answer: "never")

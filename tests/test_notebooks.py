@@ -1,7 +1,8 @@
 """The committed notebooks: in sync with their scripts, executed, normalised, following the skeleton.
 
 nbval (run by `make test` after the unit tests) checks that each notebook's stored outputs still
-match what its code prints; the tests here check everything nbval does not.
+match what its code prints; the tests here check everything nbval does not. That notebooks use only labkit's public API is
+checked by AST in tests/test_public_api.py.
 """
 
 import copy
@@ -71,13 +72,6 @@ def test_notebook_records_verdicts_for_catalogued_cases(notebook):
     assert records, "a notebook records at least one verdict with claims.check"
     family_notebooks = {nb for fam in claims.families().values() for nb in fam["notebooks"]}
     assert notebook.stem in family_notebooks, f"{notebook.stem} is not a planned notebook in cases.json"
-
-
-def test_no_code_cell_reaches_into_private_labkit_helpers(notebook):
-    nb = nbformat.read(notebook, as_version=4)
-    private = [line for c in nb.cells if c.cell_type == "code" for line in c.source.splitlines()
-               if re.search(r"labkit(\.\w+)*\._\w", line) or re.search(r"from labkit[\w.]* import .*\b_\w", line)]
-    assert not private, f"notebooks use only labkit's public API: {private}"
 
 
 def test_compared_outputs_name_no_torch_version(notebook):

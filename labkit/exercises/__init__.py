@@ -4,7 +4,7 @@ Each notebook's checks live in one module, `labkit/exercises/nbNN.py`, and regis
 the `@exercise` decorator. A check receives the learner's function, tests its *behaviour* on
 fixtures it builds itself, and either returns one sentence saying what passed or raises `NotYet`
 saying what is still wrong. Running a check safely, printing the verdict and keeping the score is
-`labkit.grading`'s job; 00_start_here teaches that workflow.
+`labkit.grading`'s job. notebooks/AUTHORING.md ("Exercises") says how to write one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from labkit.errors import LabkitError
 
+__all__ = ["NotYet", "exercise"]
+
 EXERCISE_ID = re.compile(r"^(\d{2})\.(\d+)$")
 NOTEBOOK_NAME = re.compile(r"^(\d{2})_\w+$")
 # Only modules named like the notebooks they grade are loaded, so a helper module cannot register by accident.
@@ -24,7 +26,7 @@ CHECK_MODULE = re.compile(r"^nb\d{2}$")
 
 
 class NotYet(Exception):
-    """Raised by a check when the learner's answer is still wrong (taught in 00_start_here).
+    """Raised by a check when the learner's answer is still wrong.
 
     ``problem`` says what is wrong, in the learner's terms; ``hint`` replaces the exercise's default
     hint when this failure needs a more specific one.
@@ -38,25 +40,34 @@ class NotYet(Exception):
 
 @dataclass(frozen=True)
 class Exercise:
-    """One registered exercise: its ID (``NN.K``), notebook, short title, default hint and check."""
+    """One registered exercise: its ID (``NN.K``), notebook, short title, default hint, planted-bug
+    diagnosis and check."""
 
     id: str
     notebook: str
     title: str
     hint: str
+    planted: str
     check: Callable[[Callable], str]
 
 
 _REGISTRY: dict[str, Exercise] = {}
 
 
-def exercise(exercise_id: str, *, notebook: str, title: str, hint: str) -> Callable:
-    """Register the decorated function as the check for ``exercise_id`` (see 00_start_here).
+def exercise(exercise_id: str, *, notebook: str, title: str, hint: str, planted: str) -> Callable:
+    """Register the decorated function as the check for ``exercise_id``.
 
-    The ID is ``NN.K`` where ``NN`` is the notebook's number, so ``00.1`` belongs to ``00_start_here``.
+    The ID is ``NN.K`` where ``NN`` is the notebook's number: ``00.1`` is the first exercise of notebook 00.
+    ``planted`` is a phrase the check's diagnosis of the notebook's planted bug must contain:
+    tests/test_exercises.py runs the planted-bug cell and fails unless the check rejects it for
+    that reason, not because something crashed.
     """
 
     _validate_id(exercise_id, notebook)
+    if not planted.strip():
+        raise LabkitError(
+            f"exercise {exercise_id} needs planted=: a phrase from its check's diagnosis of the planted bug"
+        )
 
     def register(check: Callable[[Callable], str]) -> Callable[[Callable], str]:
         existing = _REGISTRY.get(exercise_id)
@@ -66,7 +77,7 @@ def exercise(exercise_id: str, *, notebook: str, title: str, hint: str) -> Calla
                 f"exercise {exercise_id} is registered twice ({existing.check.__module__} and "
                 f"{check.__module__}): give the new one the next free number"
             )
-        _REGISTRY[exercise_id] = Exercise(exercise_id, notebook, title, hint, check)
+        _REGISTRY[exercise_id] = Exercise(exercise_id, notebook, title, hint, planted, check)
         return check
 
     return register
@@ -96,3 +107,14 @@ def registry() -> dict[str, Exercise]:
 def exercise_order(exercise_id: str) -> tuple[int, ...]:
     """Sort key putting ``00.2`` before ``00.10``."""
     return tuple(int(number) for number in re.findall(r"\d+", exercise_id))
+
+
+def torch_error_clause(error: RuntimeError) -> str:
+    """The first clause of a torch error's message, to quote in a diagnosis.
+
+    Autograd reports every failure (a tensor modified in place, a freed graph, a non-differentiable
+    op) as a plain RuntimeError, with no subclass or error code to test, so the message is all a
+    check can show the learner. Its first clause (before the first colon, after which torch lists
+    tensor types and versions) names the failure; checks quote it and never branch on it.
+    """
+    return str(error).split(":")[0].strip()

@@ -16,6 +16,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "00_start_here"
 LEARNING_RATE = 0.1
 STEPS = 3
@@ -29,6 +32,7 @@ TOLERANCE = 1e-6
     notebook=NOTEBOOK,
     title="one correct SGD step",
     hint="call optimizer.zero_grad() before loss.backward(), so each step uses only this batch's gradient",
+    planted="moved as if .grad still held the gradients of earlier backward passes",
 )
 def check_one_training_step(one_training_step: Callable) -> str:
     """Three steps of the learner's function must match SGD on fresh gradients, step by step."""
@@ -140,6 +144,7 @@ def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> fl
         "each backward pass adds into w.grad (claim Z1), so clear it before each one (w.grad = None) and keep "
         "a copy, or use torch.autograd.grad, which leaves .grad alone"
     ),
+    planted="holds the same tensor more than once",
 )
 def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
     """Each returned gradient must be that of `(w * x).sum()` for its own x alone."""

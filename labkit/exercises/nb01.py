@@ -16,8 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, exercise, torch_error_clause
 from labkit.tracers import autograd_graph
+
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
 
 NOTEBOOK = "01_computation_graph"
 TOLERANCE = 1e-12
@@ -34,6 +37,7 @@ TOLERANCE = 1e-12
         "torch.where sends 0 to the unselected branch, but that branch's own backward still multiplies it "
         "by log(0) = -inf; feed the log a safe value where p == 0 (torch.where(p > 0, p, 1)) and select again"
     ),
+    planted="the gradient is not finite",
 )
 def check_entropy_term(entropy_term: Callable) -> str:
     """Values and gradients must match p*log(p) (0 at p == 0) on probabilities with exact zeros."""
@@ -116,6 +120,7 @@ class _FrozenAndUnused(nn.Module):
         "the graph is a DAG, not a list: visit every (node, index) pair in node.next_functions, skip None, "
         "remember the nodes you have seen, and collect node.variable from the AccumulateGrad nodes"
     ),
+    planted="but the unreachable parameters are",
 )
 def check_unreachable_parameters(unreachable_parameters: Callable) -> str:
     """Three models with known answers (from labkit's autograd_graph); backward must not run."""
@@ -146,6 +151,7 @@ def check_unreachable_parameters(unreachable_parameters: Callable) -> str:
     notebook=NOTEBOOK,
     title="a copy you can safely edit",
     hint="detach() shares storage and the version counter with the original; copy the values too (detach().clone())",
+    planted="zeroing the copy in place changed the original: they share storage",
 )
 def check_editable_copy(editable_copy: Callable) -> str:
     """The copy is outside the graph; editing it leaves the original and its backward intact."""
@@ -164,7 +170,7 @@ def check_editable_copy(editable_copy: Callable) -> str:
     try:
         (grad,) = torch.autograd.grad(original.sum(), source)
     except RuntimeError as error:
-        raise NotYet(f"after editing the copy, the original's backward fails ({str(error).split(':')[0]})") from None
+        raise NotYet(f"after editing the copy, the original's backward fails ({torch_error_clause(error)})") from None
     expected = (values_before * (1 - values_before)).detach()
     if not torch.allclose(grad, expected, rtol=0, atol=TOLERANCE):
         raise NotYet("after editing the copy, the original's gradient is wrong")

@@ -17,6 +17,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "02_gradients_accumulate"
 TOLERANCE = 1e-9
 
@@ -41,6 +44,7 @@ IN_FEATURES, HIDDEN, CLASSES = 6, 5, 3
         "the order is optimizer.zero_grad(), loss.backward(), clip_grad_norm_, optimizer.step(): after "
         "zero_grad() there is no gradient left to clip (claim B7)"
     ),
+    planted="clip_grad_norm_ ran when .grad held no gradient",
 )
 def check_clipped_step(clipped_step: Callable) -> str:
     """Three clipped steps must match SGD on this batch's clipped gradient, and report its norm."""
@@ -150,6 +154,7 @@ def _require_clipped_update(
         "(reduction='sum') and divide by len(y), the row count of the whole batch, so a short last "
         "micro-batch counts as much as its rows (claim B4)"
     ),
+    planted="gives the short last micro-batch the weight of a full one",
 )
 def check_accumulate_gradients(accumulate_gradients: Callable) -> str:
     """.grad must equal the full-batch mean-loss gradient, with no forward pass over micro_batch rows."""

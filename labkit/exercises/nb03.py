@@ -13,7 +13,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, exercise, torch_error_clause
+
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
 
 NOTEBOOK = "03_inplace_ops"
 TOLERANCE = 1e-9
@@ -26,6 +29,10 @@ TOLERANCE = 1e-9
     hint=(
         "divide out of place (centred / std, not centred.div_(std)): the variance saved `centred` for backward; "
         "and put eps under the square root, torch.sqrt(variance + eps), so a constant row is not 0/0"
+    ),
+    planted=(
+        "backward through your output raised RuntimeError: one of the variables needed for "
+        "gradient computation has been modified by an inplace operation"
     ),
 )
 def check_layer_norm_rows(layer_norm_rows: Callable) -> str:
@@ -71,8 +78,7 @@ def _output_and_gradient(layer_norm_rows: Callable, rows: torch.Tensor, upstream
     try:
         (grad,) = torch.autograd.grad((out * upstream).sum(), x)
     except RuntimeError as error:
-        first_clause = str(error).split(":")[0].strip()
-        raise NotYet(f"backward through your output raised RuntimeError: {first_clause}") from error
+        raise NotYet(f"backward through your output raised RuntimeError: {torch_error_clause(error)}") from error
     return out, grad
 
 
@@ -90,6 +96,7 @@ def _describe(value: object) -> str:
         "the derivative of ||a_i - b_i|| with respect to a_i is (a_i - b_i) / ||a_i - b_i||, and minus that for "
         "b_i; scale each row by its grad_output[i] (grad_output[:, None] broadcasts over the columns)"
     ),
+    planted="gradcheck in float64 rejects your backward",
 )
 def check_distance_backward(distance_backward: Callable) -> str:
     """gradcheck in float64, with a tight rtol, on three shapes; then a direct comparison for the message."""

@@ -17,6 +17,9 @@ from torch.nn.utils.rnn import pad_sequence
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "04_autograd_modes"
 STATES = 16
 FEATURES = 4
@@ -56,6 +59,7 @@ class _LinearCritic(nn.Module):
         "draw the action with rsample(), the reparameterised loc + scale * noise; sample() runs under "
         "no_grad, so nothing after it leads back to the actor (claim N2)"
     ),
+    planted="the actor's parameters hold no gradient",
 )
 def check_actor_loss(actor_loss: Callable) -> str:
     """The loc head's gradient must equal its exact value; the scale head must get a gradient too."""
@@ -92,6 +96,7 @@ def check_actor_loss(actor_loss: Callable) -> str:
         "pack the batch first: nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True, "
         "enforce_sorted=False); the LSTM then stops each sequence at its own length, and h_n[-1] is its last state"
     ),
+    planted="the padding steps ran through the LSTM",
 )
 def check_last_hidden_state(last_hidden_state: Callable) -> str:
     """Against each sequence run alone, with unsorted lengths, and no gradient may enter the padding."""

@@ -18,6 +18,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "05_batchnorm_finetuning"
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 # The fixture's new data sits SHIFT standard deviations away from what the layers saw before.
@@ -52,6 +55,7 @@ def _mode_fixture() -> nn.Sequential:
         "call model.train(), then walk model.modules(): every BatchNorm1d/2d/3d goes back to .eval() and "
         "its weight and bias get requires_grad_(False)"
     ),
+    planted="is in training mode, so every forward pass moves its running statistics",
 )
 def check_set_finetune_mode(set_finetune_mode: Callable) -> str:
     """The model trains (dropout on, other weights trainable) while BatchNorm statistics stay put."""
@@ -149,6 +153,7 @@ def _eval_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
         "run every batch under torch.no_grad() with only the BatchNorm layers in train mode; then restore "
         "each momentum and call model.eval()"
     ),
+    planted="an exponential average over a few batches still remembers the old statistics",
 )
 def check_recalibrate_batchnorm(recalibrate_batchnorm: Callable) -> str:
     """Running statistics must match the new data's; parameters, gradients and momenta stay as they were."""

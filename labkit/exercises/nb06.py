@@ -16,6 +16,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "06_optimizers_weight_decay"
 TOLERANCE = 1e-12
 
@@ -39,6 +42,7 @@ GROUP_LR = 0.1
         "shrink the parameter first, param.mul_(1 - lr * weight_decay), and leave the gradient alone: the moments "
         "see only grad, and the update is lr * m_hat / (sqrt(v_hat) + eps) with both moments bias-corrected"
     ),
+    planted="that is claim E1's legacy Adam, not AdamW",
 )
 def check_adamw_update(adamw_update: Callable) -> str:
     """Five steps of the learner's update must match torch.optim.AdamW on the same gradients."""
@@ -107,6 +111,7 @@ def _require_close(got: object, want: torch.Tensor, what: str, hint: str | None 
         "for each module name, make two groups: its parameters with p.ndim >= 2 with the module's decay, and its "
         "1-d parameters (biases, normalisation scales and shifts) with weight_decay 0.0"
     ),
+    planted="biases and normalisation parameters should get weight_decay 0.0",
 )
 def check_layerwise_param_groups(layerwise_param_groups: Callable) -> str:
     """Under AdamW with zero gradients, each parameter must shrink by exactly its intended decay."""

@@ -16,6 +16,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "07_gradient_clipping"
 TOLERANCE = 1e-9
 LEARNING_RATE = 0.1
@@ -29,6 +32,7 @@ LEARNING_RATE = 0.1
         "measure one norm over all tensors together, sqrt(sum of every g*g), and multiply every tensor by the "
         "same factor min(1, max_norm / (total + 1e-6))"
     ),
+    planted="each tensor was scaled by its own factor",
 )
 def check_clip_total_norm(clip_total_norm_: Callable) -> str:
     """Against torch's clip_grad_norm_ on three fixtures: one clipped, one left alone, one single tensor."""
@@ -99,6 +103,7 @@ def _require_clipped(
     notebook=NOTEBOOK,
     title="skip a step whose gradient is not finite",
     hint="a NaN norm is not equal to inf; test with torch.isfinite(total) (or math.isfinite), which is False for both",
+    planted="with a NaN value in one gradient, your function changed the weights",
 )
 def check_guarded_step(guarded_step: Callable) -> str:
     """A NaN and an inf gradient must leave the weights alone; a finite one must clip and step."""

@@ -17,6 +17,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "08_gradient_health"
 MICRO_BATCHES = 3
 TOLERANCE = 1e-9
@@ -30,6 +33,7 @@ TOLERANCE = 1e-9
         "register param.register_post_accumulate_grad_hook(hook): PyTorch calls hook(param) after the "
         "backward pass has added into param.grad, so read param.grad.norm() there"
     ),
+    planted="the hook saw only one backward pass's gradient",
 )
 def check_record_grad_norms(record_grad_norms: Callable) -> str:
     """After k micro-batch backward passes the dict must hold every parameter's .grad norm; removing
@@ -98,6 +102,7 @@ def _require_norms(norms: dict, expected: dict[str, float]) -> None:
         "test math.isfinite(current) first (NaN > x is always False), and build the baseline from the finite "
         "readings only, so one NaN in the history does not make the mean NaN"
     ),
+    planted="for a NaN reading, your function returned",
 )
 def check_spike_alert(spike_alert: Callable) -> str:
     """Table-driven: finite spikes, NaN and inf readings, NaN in the history, short histories."""

@@ -15,6 +15,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "09_residual_design"
 TOLERANCE = 1e-9
 WIDTH = 6
@@ -25,6 +28,7 @@ WIDTH = 6
     notebook=NOTEBOOK,
     title="a pre-activation block",
     hint="return x + lin2(relu(bn2(lin1(relu(bn1(x)))))) and apply nothing to the sum: no ReLU after the addition",
+    planted="a ReLU is applied after the addition",
 )
 def check_preact_block(preact_block: Callable) -> str:
     """The block must match the v2 formula, and with a zeroed last layer pass x and its gradient exactly."""
@@ -81,6 +85,7 @@ def _call(preact_block: Callable, x: torch.Tensor, parts: list[nn.Module]) -> to
     notebook=NOTEBOOK,
     title="the gradient survival rate",
     hint="count every entry that is not zero, (grad != 0): a negative gradient entry survived just as well",
+    planted="of the input gradient's entries are not zero",
 )
 def check_gradient_survival(gradient_survival: Callable) -> str:
     """Against exact answers: an identity, a ReLU on half-negative inputs, and a linear map."""

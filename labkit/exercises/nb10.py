@@ -19,6 +19,9 @@ from torch.amp import GradScaler
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "10_mixed_precision"
 LEARNING_RATE = 0.1
 FEATURES, CLASSES, BATCH = 8, 4, 16
@@ -33,6 +36,7 @@ TOLERANCE = 1e-6
         "after scaler.scale(loss).backward(), call scaler.step(optimizer) (it unscales the gradients and skips a "
         "step whose gradients are not finite) and then scaler.update()"
     ),
+    planted="the optimizer stepped with gradients still multiplied by the loss scale",
 )
 def check_amp_step(amp_step: Callable) -> str:
     """Three clean steps and one overflowing step must match the documented AMP recipe."""
@@ -141,6 +145,7 @@ PARAMETERS = 6
         "after scaler.step(optimizer) and scaler.update(), read scaler.get_scale(); when it is below floor, call "
         "scaler.update(float(floor)), which sets the scale to that value"
     ),
+    planted="the scale was allowed to reach 0",
 )
 def check_step_and_update(step_and_update: Callable) -> str:
     """Clean steps must match a plain scaler; a NaN burst must leave the scale >= floor and the parameters finite."""

@@ -18,6 +18,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "11_compile_drift"
 
 
@@ -29,6 +32,7 @@ NOTEBOOK = "11_compile_drift"
         "compare in float64 with torch.allclose(got.double(), ref.double(), rtol=..., atol=...), with atol scaled "
         "to the tensor's largest |entry| (for example 1e-5 * ref.abs().max()), after checking names and shapes"
     ),
+    planted="is a match, but grads_match returned False",
 )
 def check_grads_match(grads_match: Callable) -> str:
     """Rounding-only differences must pass; a wrong subgradient, a 1 % error, a NaN and a wrong shape must not."""
@@ -100,6 +104,7 @@ def _comparison_cases(rounded, reference) -> list[tuple[str, dict, bool]]:
         "torch never reads a _compiled attribute; wrap the module's forward with torch.compiler.disable "
         "(module.forward = torch.compiler.disable(module.forward)) and return the module"
     ),
+    planted="torch.compile still captured the excluded module's linear",
 )
 def check_exclude_from_compile(exclude_from_compile: Callable) -> str:
     """The excluded layer's ops must be in no captured graph; the rest must be; results must equal eager."""

@@ -19,6 +19,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "12_batch_size"
 FEATURES, CLASSES, ROWS = 6, 3, 24
 # (devices, accumulation steps): micro-batches of 4 rows out of 24. Devices and steps differ, so a
@@ -35,6 +38,7 @@ TOLERANCE = 1e-10
         "the global batch is devices × accumulation_steps micro-batches, and the update is their average: "
         "divide each micro-batch's mean loss by devices * accumulation_steps"
     ),
+    planted="the micro-batch losses were added where they should be averaged",
 )
 def check_global_batch_gradient(global_batch_gradient: Callable) -> str:
     """For each split of 24 rows, .grad must equal the 24-row batch gradient, one micro-batch per forward."""
@@ -115,6 +119,7 @@ def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> fl
         "with s2 = mean over rows of ||g_i - g||^2, a mean over B rows drawn without replacement from N has "
         "E||g_B - g||^2 = s2 * (N - B) / (B * (N - 1))"
     ),
+    planted="B² times too much",
 )
 def check_expected_gradient_noise(expected_gradient_noise: Callable) -> str:
     """Each batch size's answer must match the average over every possible batch, enumerated exactly."""

@@ -19,6 +19,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "13_memory"
 FEATURES, HIDDEN, CLASSES = 8, 32, 4
 BATCHES, ROWS = 5, 6
@@ -43,6 +46,7 @@ class _SavedTensor:
         "compute the losses under torch.no_grad() and add loss.item() (a Python float) to the total: a "
         "running total of loss tensors keeps every batch's graph and its saved activations alive"
     ),
+    planted="the autograd graph of batch 1 was still alive",
 )
 def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
     """The mean must be right, and no graph older than the previous batch may be alive."""
@@ -110,6 +114,7 @@ def _require_mean(result: object, expected: float) -> None:
         "wrap each block, not its activation: x = torch.utils.checkpoint.checkpoint(block, x, "
         "use_reentrant=False), so that only the block's input is kept and its inside is recomputed"
     ),
+    planted="the inside of each block is still saved",
 )
 def check_checkpointed_forward(checkpointed_forward: Callable) -> str:
     """Same output and gradients as the plain forward, with only block boundaries saved."""

@@ -14,6 +14,9 @@ import numpy as np
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "14_data_loading"
 WORKERS = 3
 DRAWS = 6
@@ -38,6 +41,7 @@ class _AugmentingDataset:
         "replace the dataset's generator: dataset.rng = np.random.default_rng(worker_seed); seeding NumPy's "
         "global state leaves dataset.rng as every worker copied it"
     ),
+    planted="drew the same numbers from dataset.rng",
 )
 def check_seed_dataset_rng(seed_dataset_rng: Callable) -> str:
     """Per-worker copies must draw different numbers, per epoch too, and the same seed must repeat."""
@@ -95,6 +99,7 @@ SHARDING_CASES = ((0, 12, 2), (0, 10, 3), (5, 12, 2), (0, 2, 4), (7, 8, 1), (3, 
         "give each worker a different part of range(start, end), for example every num_workers-th item "
         "starting at start + worker_id"
     ),
+    planted="came more than once",
 )
 def check_worker_items(worker_items: Callable) -> str:
     """For several ranges and worker counts, the workers' items must cover the range exactly once."""

@@ -19,6 +19,9 @@ from torch import nn
 
 from labkit.exercises import NotYet, exercise
 
+# Importing this module registers its checks with @exercise; nothing here is called by name.
+__all__: list[str] = []
+
 NOTEBOOK = "15_distributed"
 WORLD_SIZE = 3
 # Rank that does not use the branch layer in its forward pass, so its .grad stays None there.
@@ -164,6 +167,7 @@ def _replicas_with_local_gradients() -> list[_Branching]:
     notebook=NOTEBOOK,
     title="average gradients the way DDP does",
     hint=_COLLECTIVE_HINT,
+    planted="the ranks' all_reduce_sum calls did not pair up",
 )
 def check_average_gradients(average_gradients: Callable) -> str:
     """On three thread-ranks, one of which skips a layer, every rank must end with the mean gradient."""
@@ -222,6 +226,7 @@ RESHUFFLE_CHECKED_FROM = 32
         "a DistributedSampler shuffles with seed + the epoch it was given by sampler.set_epoch(epoch); "
         "without that call every epoch repeats epoch 0's order"
     ),
+    planted="got the same indices in the same order in epochs 0 and 1",
 )
 def check_rank_indices(rank_indices: Callable) -> str:
     """Shards must cover the data with equal lengths, repeat for a seed, and change with the epoch."""
