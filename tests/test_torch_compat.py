@@ -3,6 +3,7 @@
 A failure here names the entry and the torch version: that is where an upgrade broke labkit."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +157,14 @@ def test_profiler_event_tree_shows_a_cpu_allocation_of_the_size_made():
         if (event := compat.cpu_allocation(node)) is not None:
             sizes.append(event[2])
     assert kept.untyped_storage().nbytes() in sizes, _broke("profiler_event_tree / cpu_allocation")
+
+
+PRIVATE_TORCH = re.compile(r"torch\._[A-Za-z]|torch\.utils\._|_C\.|torch\.distributed\._|_raw_saved_|kineto")
+
+
+def test_no_labkit_module_but_the_compat_layer_names_a_private_torch_api():
+    package = Path(compat.__file__).parent
+    found = [f"{path.relative_to(package.parent)}:{number}: {line.strip()}"
+             for path in sorted(package.rglob("*.py")) if path.name != "_torch_compat.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if PRIVATE_TORCH.search(line)]
+    assert not found, "private torch APIs outside labkit/_torch_compat.py (route them through it):\n" + "\n".join(found)
