@@ -17,10 +17,25 @@ import torch
 from labkit.errors import LabkitError
 
 __all__ = [
+    "FAKE_TENSOR_FAILURES",
+    "FakeTensorMode",
+    "SavedTensor",
     "TorchCompatError",
+    "TorchDispatchMode",
+    "aten_arguments",
+    "aten_ops",
+    "cpu_allocation",
     "foreach_copy_",
     "foreach_norm",
     "foreach_sub",
+    "mem_tracker_class",
+    "present",
+    "profiler_enabled",
+    "profiler_event_tree",
+    "raw_saved_tensors",
+    "tree_flatten",
+    "tree_map_only",
+    "tree_unflatten",
 ]
 
 
@@ -42,3 +57,128 @@ def private(module: str, name: str) -> Any:
 foreach_copy_ = private("torch", "_foreach_copy_")
 foreach_sub = private("torch", "_foreach_sub")
 foreach_norm = private("torch", "_foreach_norm")
+
+
+def present(module: str, names) -> tuple:
+    """``module.name`` for each of ``names`` this torch has, in order (a version probe, for private
+    APIs whose set differs between releases); a `TorchCompatError` if the module itself is gone."""
+    try:
+        found = importlib.import_module(module)
+    except ImportError as error:
+        raise TorchCompatError(
+            f"torch {torch.__version__} has no module {module}, a private API labkit relies on "
+            f"({error}): install a torch in the range pyproject.toml declares, or report it"
+        ) from error
+    return tuple(getattr(found, name) for name in names if hasattr(found, name))
+
+
+def _changed(entry: str, error: Exception) -> TorchCompatError:
+    """The error for a private API that exists but no longer looks the way labkit reads it."""
+    return TorchCompatError(
+        f"torch {torch.__version__} changed {entry}, a private API labkit relies on "
+        f"({type(error).__name__}: {error}): install a torch in the range pyproject.toml declares, or report it"
+    )
+
+
+# -- fake tensors and dispatch modes (labkit.memory's allocation-free runs) -------------------------
+
+FakeTensorMode = private("torch._subclasses.fake_tensor", "FakeTensorMode")
+# The exceptions a fake-tensor run raises for an operation it cannot run; the set differs between
+# releases, so each is taken only where this torch has it.
+FAKE_TENSOR_FAILURES: tuple[type[Exception], ...] = present(
+    "torch._subclasses.fake_tensor",
+    ("UnsupportedFakeTensorException", "DynamicOutputShapeException", "DataDependentOutputException",
+     "UnsupportedOperatorException"),
+)
+TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode")
+tree_flatten = private("torch.utils._pytree", "tree_flatten")
+tree_unflatten = private("torch.utils._pytree", "tree_unflatten")
+tree_map_only = private("torch.utils._pytree", "tree_map_only")
+
+
+def aten_ops(names) -> frozenset:
+    """The ``.default`` overload of each named aten op this torch build has (a version probe:
+    cuDNN's ops, for one, are absent from some builds)."""
+    return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
+
+
+def aten_arguments(func, args: tuple, kwargs: dict | None, *names: str) -> tuple:
+    """The values of the named arguments of an aten call, bound by the op's schema, not by position.
+
+    ``func`` is an ``OpOverload`` (as a dispatch mode receives it); positional and keyword
+    arguments are both bound, and an argument left out takes its schema default."""
+    try:
+        schema = func._schema.arguments
+        bound = {argument.name: argument.default_value for argument in schema if argument.has_default_value()}
+        bound.update(zip((argument.name for argument in schema), args))
+    except AttributeError as error:
+        raise _changed("OpOverload._schema.arguments", error) from error
+    bound.update(kwargs or {})
+    missing = [name for name in names if name not in bound]
+    if missing:
+        raise TorchCompatError(
+            f"torch {torch.__version__}: {func} has no argument {', '.join(missing)} in its schema "
+            f"({', '.join(argument.name for argument in schema)}); labkit reads it by that name: "
+            "install a torch in the range pyproject.toml declares, or report it"
+        )
+    return tuple(bound[name] for name in names)
+
+
+# -- autograd's saved-tensor handles (labkit.memory's exact count) --------------------------------
+
+SavedTensor = private("torch._C._autograd", "SavedTensor")
+
+
+def raw_saved_tensors(node) -> list:
+    """The `SavedTensor` handles a graph node keeps (its ``_raw_saved_*`` attributes), none unpacked.
+
+    Reading ``node._saved_x`` instead would run a hooked tensor's unpack hook, which for
+    ``torch.utils.checkpoint`` recomputes the forward. A handle has ``.data`` (the tensor, or
+    None for an undefined one) and ``.unpack_hook`` (None when no saved_tensors_hooks packed it)."""
+    values = [getattr(node, name) for name in dir(node) if name.startswith("_raw_saved_")]
+    return [handle for value in values for handle in (value if isinstance(value, (tuple, list)) else (value,))
+            if isinstance(handle, SavedTensor)]
+
+
+# -- torch.distributed's MemTracker (labkit.memory's step-peak estimate) --------------------------
+
+
+def mem_tracker_class():
+    """PyTorch's MemTracker where this build has it (torch.distributed._tools, 2.5+), else None.
+
+    Imported on first call, which keeps it out of ``import labkit``; a build without
+    torch.distributed, or an older torch, has none, and labkit then uses its own storage timeline."""
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError:
+        return None
+    return MemTracker
+
+
+# -- the profiler's event tree (labkit.memory's CPU allocator measurements) -----------------------
+
+profiler_enabled = private("torch.autograd", "_profiler_enabled")
+_EventType = private("torch._C._profiler", "_EventType")
+
+
+def profiler_event_tree(prof) -> list:
+    """The roots of a finished ``torch.profiler.profile``'s event tree (kineto's results).
+
+    Each node has ``name``, ``children`` and ``tag``; read allocations with `cpu_allocation`."""
+    try:
+        return list(prof.profiler.kineto_results.experimental_event_tree())
+    except AttributeError as error:
+        raise _changed("profile.profiler.kineto_results.experimental_event_tree()", error) from error
+
+
+def cpu_allocation(node) -> tuple[int, int, int] | None:
+    """``(start_time_ns, address, +bytes or -bytes)`` if an event-tree node is a CPU allocator
+    event (``profile_memory=True``), else None."""
+    try:
+        if node.tag != _EventType.Allocation or node.extra_fields.device.type != "cpu":
+            return None
+        return node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size
+    except AttributeError as error:
+        raise _changed("the profiler event tree's allocation events", error) from error

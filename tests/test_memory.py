@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from labkit import memory
+from labkit.memory import estimate, workspace
 from labkit.errors import LabkitError
 from labkit.readings import UnavailableReading
 
@@ -392,7 +393,7 @@ def test_estimate_is_the_steady_state_with_adam_state_present():
 def test_fallback_tracker_agrees_with_mem_tracker(monkeypatch, make_model, shape):
     model, x = make_model(), torch.randn(shape)
     with_mem_tracker = memory.estimate_step_peak(model, x)
-    monkeypatch.setattr(memory, "_mem_tracker_class", lambda: None)
+    monkeypatch.setattr(estimate, "mem_tracker_class", lambda: None)
     fallback = memory.estimate_step_peak(model, x)
     assert "torch MemTracker" in with_mem_tracker["activations"].source
     assert "labkit storage timeline" in fallback["activations"].source
@@ -431,14 +432,14 @@ def test_a_meta_model_is_not_measured_unless_asked_and_then_only_kernel_by_kerne
     assert "kernel workspace" not in dict(automatic.rows)
     assert any("meta device" in note and "kernel_workspace='measure'" in note for note in automatic.notes)
     inputs_per_call = []
-    zero_filled = memory._zero_filled
+    zero_filled = workspace._zero_filled
 
     def recording(specs, tree):
         inputs_per_call.append(sum(math.prod(s.shape) * s.dtype.itemsize for s in specs
-                                   if isinstance(s, memory._TensorSpec)))
+                                   if isinstance(s, workspace._TensorSpec)))
         return zero_filled(specs, tree)
 
-    monkeypatch.setattr(memory, "_zero_filled", recording)
+    monkeypatch.setattr(workspace, "_zero_filled", recording)
     measured = memory.estimate_step_peak(model, x, device="cpu", kernel_workspace="measure")
     activation_bytes = 64 * 16 * 32 * 32 * FLOAT  # 4 MiB: one layer's input
     assert int(measured["kernel workspace"]) > 0

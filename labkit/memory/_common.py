@@ -1,0 +1,215 @@
+"""What every memory method shares: tensor and storage helpers, the model guards, one training step.
+
+Private to `labkit.memory`; the public constants `OPTIMIZERS` and `TRAINING_PRECISIONS` are
+re-exported there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from labkit._torch_compat import tree_flatten
+from labkit.errors import LabkitError
+
+__all__ = ["OPTIMIZERS", "TRAINING_PRECISIONS"]
+
+
+# the optimizer names training_state, estimate_step_peak and measure_step_peak accept
+OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
+# the training precisions the analytic calculator accepts (labkit.probes' MATMUL_PRECISIONS are the
+# matmul kernels' precisions, a different list)
+TRAINING_PRECISIONS = ("fp32", "amp_bf16", "amp_fp16", "bf16", "fp16", "mixed_bf16", "mixed_fp16")
+
+# CUDACachingAllocator hands out blocks in multiples of 512 bytes (kMinBlockSize).
+_CUDA_BLOCK = 512
+_ROOT = "(model)"
+_OUTSIDE = "(outside any module)"
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return StorageWeakRef(tensor.untyped_storage()).cdata
+
+
+def _storage_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def _allocated_nbytes(tensor: torch.Tensor) -> int:
+    nbytes = _storage_nbytes(tensor)
+    if tensor.device.type == "cuda":
+        return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
+    return nbytes
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
+
+
+def _shape_text(shape, dtype: torch.dtype) -> str:
+    dims = "×".join(str(int(d)) for d in shape) or "scalar"
+    return f"{dims} {str(dtype).removeprefix('torch.')}"
+
+
+def _as_inputs(inputs) -> tuple:
+    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise LabkitError(
+            f"expected a torch.nn.Module, got {type(model).__name__}: pass the model itself, "
+            "for example saved_bytes(model, x)"
+        )
+
+
+def _describe(inputs: Sequence) -> str:
+    parts = [
+        f"Tensor[{_shape_text(x.shape, x.dtype)}, {x.device}]" if isinstance(x, torch.Tensor)
+        else type(x).__name__
+        for x in inputs
+    ]
+    return "(" + ", ".join(parts) + ")"
+
+
+def _forward(model: nn.Module, inputs: Sequence):
+    try:
+        return model(*inputs)
+    except LabkitError:
+        raise
+    except Exception as error:
+        raise LabkitError(
+            f"{type(model).__name__} failed in its forward pass on inputs {_describe(inputs)}: "
+            f"{type(error).__name__}: {error}. Call the model once yourself with these inputs and "
+            "fix that first: shapes, dtypes and device must be what the model expects."
+        ) from error
+
+
+def _device_of(model: nn.Module, inputs: Sequence) -> torch.device:
+    for tensor in [*model.parameters(), *model.buffers(), *_tensors(inputs)]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _module_names(model: nn.Module) -> dict[nn.Module, str]:
+    return {module: (name or _ROOT) for name, module in model.named_modules()}
+
+
+@contextlib.contextmanager
+def _model_left_unchanged(model: nn.Module, include_parameters: bool) -> Iterator[None]:
+    """Undo what a measuring run does to the model: running statistics, weights, grads, RNG."""
+    tensors = [*model.buffers(), *(model.parameters() if include_parameters else ())]
+    originals = [tensor.detach().clone() for tensor in tensors]
+    grads = [(p, p.grad) for p in model.parameters()]
+    cuda_devices = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()]
+                           if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, original in zip(tensors, originals):
+                    tensor.copy_(original)
+            for parameter, grad in grads:
+                parameter.grad = grad
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Keep Python's cycle collector from freeing unrelated tensors inside a measured window."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _check_optimizer_name(optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise LabkitError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in TRAINING_PRECISIONS:
+        raise LabkitError(f"unknown precision {precision!r}: use one of {', '.join(TRAINING_PRECISIONS)}")
+
+
+def _optional_device(device) -> torch.device | None:
+    """``torch.device(device)`` with an index: tensors say ``cuda:0``, and ``cuda`` != ``cuda:0``."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # even fake CUDA tensors need a CUDA build and driver: without them torch aborts the process
+        raise LabkitError(f"device={str(device)!r} needs CUDA, and this machine has none "
+                          "(torch.cuda.is_available() is False): use device='cpu' here, or run on a GPU machine")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _optimizer_factory(model: nn.Module, optimizer, device: torch.device) -> Callable:
+    if not any(p.requires_grad for p in model.parameters()):
+        raise LabkitError(f"{type(model).__name__} has no trainable parameters, so a training step has "
+                          "nothing to update: use saved_tensors for the forward's activations instead")
+    if callable(optimizer):
+        return optimizer
+    _check_optimizer_name(optimizer)
+    # torch's own default (foreach on CUDA, a loop on CPU), stated: on fake tensors torch would
+    # always pick the loop, whose temporaries differ from the foreach kernels'.
+    foreach = device.type == "cuda"
+    return {
+        "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, foreach=foreach),
+        "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach),
+        "adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=foreach),
+        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=foreach),
+    }[optimizer]
+
+
+def _sum_first_output(output) -> torch.Tensor:
+    tensors = _tensors(output)
+    if not tensors:
+        raise LabkitError("the model returned no tensor: pass loss_fn=... that turns its output into a scalar")
+    return tensors[0].sum()
+
+
+def _train_step(model, optimizer, inputs, loss_fn, phase=lambda name: None) -> None:
+    phase("forward")
+    loss = (loss_fn or _sum_first_output)(_forward(model, inputs))
+    phase("backward")
+    loss.backward()
+    phase("optimizer")
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _unique_bytes(tensors, device: torch.device, seen: set | None = None) -> int:
+    seen = set() if seen is None else seen
+    nbytes = 0
+    for tensor in tensors:
+        key = _storage_key(tensor)
+        if tensor.device == device and key not in seen:
+            seen.add(key)
+            nbytes += _allocated_nbytes(tensor)
+    return nbytes
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in _tensors(state)]

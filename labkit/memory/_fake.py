@@ -1,0 +1,161 @@
+"""A model's forward traced on fake tensors (shapes and dtypes, no memory), module call by call.
+
+Private to `labkit.memory`: the analytic formulas read the trace, the step-peak estimate runs
+its fake step on the same structural copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from labkit._torch_compat import FAKE_TENSOR_FAILURES, FakeTensorMode, TorchDispatchMode, tree_map_only
+from labkit.errors import LabkitError
+from labkit.memory._common import _device_of, _forward, _module_names, _storage_key, _tensors
+
+__all__: list[str] = []
+
+
+def _fake_copy(model: nn.Module, inputs: Sequence, mode: FakeTensorMode, dtype=None, device=None):
+    """A structural copy of the model whose tensors are fake: same shapes, no memory.
+
+    ``device`` moves the fake tensors (a meta-device model traced as if on the CPU, so the
+    dispatcher picks the CPU kernels); ``dtype`` casts the floating-point ones."""
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        result = mode.from_tensor(tensor.detach())
+        with mode:
+            if device is not None and result.device != device:
+                result = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device=device)
+            if dtype is not None and tensor.is_floating_point():
+                result = result.to(dtype)
+        # a parameter gets requires_grad from nn.Parameter below; an input may need it too
+        if tensor.requires_grad and not isinstance(tensor, nn.Parameter):
+            result.requires_grad_()
+        return result
+
+    memo: dict[int, object] = {}
+    for parameter in model.parameters():
+        memo[id(parameter)] = nn.Parameter(fake(parameter), requires_grad=parameter.requires_grad)
+    for module in model.modules():
+        for value in [*module.buffers(recurse=False), *vars(module).values()]:
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = fake(value)
+    try:
+        fake_model = copy.deepcopy(model, memo)
+    except Exception as error:
+        raise LabkitError(
+            f"could not copy {type(model).__name__}'s structure for an allocation-free run "
+            f"({type(error).__name__}: {error}); measure instead with measure_step_peak"
+        ) from error
+    fake_inputs = tree_map_only(torch.Tensor, fake, list(inputs))
+    return fake_model, fake_inputs
+
+
+def _fake_forward(model: nn.Module, inputs: Sequence):
+    try:
+        return _forward(model, inputs)
+    except LabkitError as error:
+        if isinstance(error.__cause__, FAKE_TENSOR_FAILURES):
+            raise LabkitError(
+                f"{type(model).__name__} uses an operation fake tensors cannot run "
+                f"({error.__cause__}); the allocation-free path is closed for it: use "
+                "saved_tensors / measure_step_peak on a real device instead"
+            ) from error.__cause__
+        raise
+
+
+@dataclass
+class _Call:
+    name: str
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    outputs: list = field(default_factory=list)
+    ops: set = field(default_factory=set)
+    children: list = field(default_factory=list)
+
+    @property
+    def input(self) -> torch.Tensor:
+        return _tensors((self.args, self.kwargs))[0]
+
+    @property
+    def needs_grad(self) -> bool:
+        return any(t.requires_grad for t in self.outputs)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.outputs[0].dtype
+
+
+class _CallRecorder(TorchDispatchMode):
+    """Records each module call's arguments, outputs and the aten ops that ran inside it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.calls: list[_Call] = []
+        self._open: list[_Call] = []
+        self._model = model
+        self._names = _module_names(model)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        handles = []
+        for module in self._model.modules():
+            handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._leave, with_kwargs=True))
+        try:
+            with self:
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _enter(self, module, args, kwargs) -> None:
+        call = _Call(self._names[module], module, args, dict(kwargs))
+        if self._open:
+            self._open[-1].children.append(call)
+        self.calls.append(call)
+        self._open.append(call)
+
+    def _leave(self, module, args, kwargs, output) -> None:
+        self._open.pop().outputs = _tensors(output)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name().split("::")[-1].split(".")[0]
+        for call in self._open:
+            call.ops.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _trace(model: nn.Module, inputs: Sequence, precision: str, device) -> tuple[list[_Call], set[int]]:
+    """Run the forward on fake tensors at the given precision; return the calls and the storages
+    that are model state or inputs (never counted as activations)."""
+    mode = FakeTensorMode()
+    dtype = _PURE_DTYPES.get(precision)
+    fake_model, fake_inputs = _fake_copy(model, inputs, mode, dtype, device)
+    state = [*fake_model.parameters(), *fake_model.buffers(), *_tensors(fake_inputs)]
+    recorder = _CallRecorder(fake_model)
+    with mode, torch.enable_grad(), _autocast_for(precision, device or _device_of(model, inputs)):
+        with recorder.recording():
+            _fake_forward(fake_model, fake_inputs)
+    return recorder.calls, {_storage_key(t) for t in state}
+
+
+_PURE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16,
+                "mixed_bf16": torch.bfloat16, "mixed_fp16": torch.float16}
+_AMP_DTYPES = {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}
+
+
+def _autocast_for(precision: str, device: torch.device):
+    if precision not in _AMP_DTYPES:
+        return contextlib.nullcontext()
+    if device.type not in ("cpu", "cuda"):
+        raise LabkitError(f"autocast ({precision}) runs on cpu or cuda, not {device.type}: pass "
+                          "device='cpu' or device='cuda' to trace the model as if it lived there")
+    return torch.autocast(device_type=device.type, dtype=_AMP_DTYPES[precision])
