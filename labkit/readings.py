@@ -19,6 +19,16 @@ __all__ = ["Reading", "UnavailableReading"]
 PROVENANCES = ("measured", "estimated", "datasheet", "unavailable")
 
 
+def format_bytes(nbytes: float) -> str:
+    """A byte count as people read it: ``512 B``, ``1.5 KiB``, ``2.0 MiB``, ``1.25 GiB`` (negative
+    counts, such as a change in memory, keep their sign). labkit's one byte formatter."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
+
+
 class UnavailableReading(LabkitError):
     """Raised when a number is asked of a reading that has none."""
 

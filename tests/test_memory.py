@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from labkit import memory
-from labkit.memory import estimate, workspace
 from labkit.errors import LabkitError
+from labkit.memory import estimate, workspace
 from labkit.readings import UnavailableReading
 
 FLOAT = 4

@@ -5,7 +5,6 @@ the machine must come out the same with these smaller settings."""
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_computation_graph.ipynb"

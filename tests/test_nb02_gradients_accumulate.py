@@ -7,7 +7,6 @@ the same reproductions without those mistakes. The verdicts do not depend on the
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_gradients_accumulate.ipynb"

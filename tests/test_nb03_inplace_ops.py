@@ -4,7 +4,6 @@ appears with bug=True and is gone with bug=False."""
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_inplace_ops.ipynb"

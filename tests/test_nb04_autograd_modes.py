@@ -4,7 +4,6 @@ cuts (sample(), interpolation under no_grad, unpacked padding) show with bug=Tru
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "04_autograd_modes.ipynb"

@@ -7,7 +7,6 @@ means drift towards the fine-tuning batches, and at batch size 2 the head's test
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_batchnorm_finetuning.ipynb"

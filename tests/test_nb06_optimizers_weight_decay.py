@@ -8,7 +8,6 @@ tiny second moment, walks them to zero at lr per step; AdamW shrinks them by (1 
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "06_optimizers_weight_decay.ipynb"

@@ -4,7 +4,6 @@ entries to underflow; with one, almost none."""
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "10_mixed_precision.ipynb"

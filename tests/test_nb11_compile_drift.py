@@ -5,7 +5,6 @@ captures the same graphs as inductor without generating and building C++, to sta
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "11_compile_drift.ipynb"

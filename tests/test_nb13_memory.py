@@ -5,7 +5,6 @@ no GPU do not depend on the bug switch."""
 from pathlib import Path
 
 import pytest
-
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "13_memory.ipynb"

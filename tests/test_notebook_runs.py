@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from notebook_runs import TEST_DEVICE, cpu_parameters
 
 from labkit import repro
-from notebook_runs import TEST_DEVICE, cpu_parameters
 
 TESTS = Path(__file__).resolve().parent
 

@@ -52,14 +52,6 @@ def _allocated_nbytes(tensor: torch.Tensor) -> int:
     return nbytes
 
 
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(nbytes) < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.2f} GiB"
-
-
 def _shape_text(shape, dtype: torch.dtype) -> str:
     dims = "×".join(str(int(d)) for d in shape) or "scalar"
     return f"{dims} {str(dtype).removeprefix('torch.')}"

@@ -20,7 +20,6 @@ from labkit.memory._common import (
     _check_model,
     _check_optimizer_name,
     _check_precision,
-    _human,
     _optional_device,
     _shape_text,
     _storage_key,
@@ -30,7 +29,7 @@ from labkit.memory._common import (
 from labkit.memory._fake import _Call, _trace
 from labkit.memory.report import MemoryReport
 from labkit.memory.saved import SavedTensors
-from labkit.readings import Reading
+from labkit.readings import Reading, format_bytes
 
 __all__ = [
     "ActivationLine",
@@ -56,7 +55,7 @@ def _kept(what: str, tensor: torch.Tensor) -> _Item:
     nbytes = _storage_nbytes(tensor)
     text = f"{what} {_shape_text(tensor.shape, tensor.dtype)}"
     if nbytes != tensor.numel() * tensor.element_size():
-        text += f" (a view: keeps its whole {_human(nbytes)} storage alive)"
+        text += f" (a view: keeps its whole {format_bytes(nbytes)} storage alive)"
     return _Item(text, ("storage", _storage_key(tensor)), nbytes)
 
 

@@ -6,8 +6,7 @@ import textwrap
 from dataclasses import dataclass
 
 from labkit.errors import LabkitError
-from labkit.memory._common import _human
-from labkit.readings import Reading
+from labkit.readings import Reading, format_bytes
 
 __all__ = ["MemoryReport", "plot_reports"]
 
@@ -60,7 +59,7 @@ def _reading_cell(reading: Reading) -> str:
         return f"{'unavailable':>14}  ({reading.reason})"
     value = int(reading)
     source = f"  {reading.source}" if reading.source else ""
-    return f"{value:>14,} B  {_human(value):>10}  {reading.provenance:<9}{source}"
+    return f"{value:>14,} B  {format_bytes(value):>10}  {reading.provenance:<9}{source}"
 
 
 def plot_reports(*reports: MemoryReport, ax=None):

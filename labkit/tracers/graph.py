@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from labkit.errors import LabkitError
+from labkit.readings import format_bytes
 from labkit.tracers._common import subplots
 
 __all__ = ["AutogradGraph", "GraphNode", "SavedTensor", "autograd_graph"]
@@ -240,8 +241,8 @@ def _saved_tensor_failure(error: RuntimeError) -> Literal["freed", "modified in 
 
     Reading the message is the only way: both failures are plain RuntimeErrors, the version a
     tensor had when it was saved is not exposed to Python (only the current ``_version``), and the
-    one handle that says "freed" without raising, ``SavedTensor.data`` on ``_raw_saved_*``, is
-    private and undocumented."""
+    saved-tensor handles that could say "freed" without raising (`labkit._torch_compat.raw_saved_tensors`)
+    are private and undocumented."""
     text = str(error)
     if _FREED_MESSAGE in text:
         return "freed"
@@ -253,18 +254,11 @@ def _saved_tensor_failure(error: RuntimeError) -> Literal["freed", "modified in 
 def _node_label(node: GraphNode) -> str:
     if node.leaf is not None:
         return node.leaf
-    details = [f"{s.name}: {list(s.shape)} {s.dtype} {_size(s.nbytes)}" for s in node.saved]
+    details = [f"{s.name}: {list(s.shape)} {s.dtype} {format_bytes(s.nbytes)}" for s in node.saved]
     if node.freed:
         details = ["saved tensors freed"]
     return "\n".join([node.name, *details])
 
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if nbytes < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
 
 
 def _dot_escape(text: str) -> str:
