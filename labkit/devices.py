@@ -46,9 +46,8 @@ def resolve_device(device: str | torch.device | None = "auto", *, kinds: tuple[s
 
 
 def _spellings(kinds: tuple[str, ...]) -> str:
-    names = ["'auto'"] + [f"'{kind}'" for kind in kinds if kind != "cuda"]
-    if "cuda" in kinds:
-        names[1:1] = ["'cuda'", "'cuda:N'"]
+    names = ["'auto'"] + [spelling for kind in ("cpu", "cuda", "mps") if kind in kinds
+                          for spelling in ((f"'{kind}'", "'cuda:N'") if kind == "cuda" else (f"'{kind}'",))]
     return ", ".join(names[:-1]) + " or " + names[-1]
 
 

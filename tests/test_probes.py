@@ -221,8 +221,10 @@ def test_bad_probe_arguments_name_the_fix():
         probes.copy_bandwidth("cpu", size_mib=0)
     with pytest.raises(LabkitError, match="n must be"):
         probes.matmul_throughput("fp32", "cpu", n=0)
-    with pytest.raises(LabkitError, match="'cpu' or 'cuda'"):
+    with pytest.raises(LabkitError, match="'auto', 'cpu', 'cuda' or 'cuda:N'"):
         probes.copy_bandwidth("tpu")
+    with pytest.raises(LabkitError, match="not supported here: use 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        probes.peak_memory("mps")
     with pytest.raises(LabkitError, match="'copy'"):
         probes.ceiling("int4")
 

@@ -20,7 +20,7 @@ def test_auto_device_is_cpu_without_cuda_and_cuda_is_refused_clearly():
         repro.setup(device="cuda")
     with pytest.raises(LabkitError, match="no CUDA device"):
         resolve_device("cuda:1")
-    with pytest.raises(LabkitError, match="unknown device 'gpu': use 'auto', 'cuda', 'cuda:N', 'mps' or 'cpu'"):
+    with pytest.raises(LabkitError, match="unknown device 'gpu': use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"):
         resolve_device("gpu")
 
 
@@ -34,7 +34,7 @@ def test_mps_is_refused_naming_what_the_machine_has_unless_torch_reports_it():
 
 def test_a_caller_can_narrow_the_kinds_and_keep_a_missing_cuda_device():
     assert resolve_device("cuda:3", kinds=("cpu", "cuda"), must_exist=False) == torch.device("cuda:3")
-    with pytest.raises(LabkitError, match="not supported here: use 'auto', 'cuda', 'cuda:N' or 'cpu'"):
+    with pytest.raises(LabkitError, match="not supported here: use 'auto', 'cpu', 'cuda' or 'cuda:N'"):
         resolve_device("mps", kinds=("cpu", "cuda"))
     assert resolve_device(torch.device("cpu")) == torch.device("cpu")
 
