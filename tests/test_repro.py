@@ -175,5 +175,6 @@ def test_the_moved_tooling_names_still_resolve_from_repro():
     from labkit import notebooks
 
     assert repro.run_notebook is runner.run_notebook and repro.normalise is notebooks.normalise
+    assert all(getattr(repro, name) is not None for name in repro._MOVED)
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         repro.not_a_name
