@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from labkit import probes  # noqa: E402
 from labkit.readings import Reading  # noqa: E402
 
-PROBES = ("copy",) + probes.PRECISIONS
+PROBES = ("copy",) + probes.MATMUL_PRECISIONS
 # Issue 5's acceptance targets, in % of the datasheet ceiling, keyed by labkit's datasheet model.
 TARGETS = {"NVIDIA H200 SXM": {"copy": 85.0, "bf16": 75.0}}
 GPU_SPREAD_TARGET = 2.0  # % run-to-run, issue 5

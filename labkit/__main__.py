@@ -12,9 +12,10 @@ from labkit.errors import LabkitError
 
 COMMANDS = {
     "claims": ("labkit.claims", "main", "print every claim verdict stored in the notebooks (--json for JSON)"),
-    "execute": ("labkit.repro", "execute_main", "sync, execute and normalise notebooks in place (make notebooks)"),
-    "workbook": ("labkit.repro", "workbook_main", "run every notebook under runs/<name>/ and write the summary"),
-    "repro": ("labkit.repro", "repro_main", "rerun one notebook with validated parameters"),
+    "execute": ("labkit.runner", "execute_main", "sync, execute and normalise notebooks in place (make notebooks)"),
+    "normalise": ("labkit.runner", "normalise_main", "normalise .ipynb files in place (exit 1 if any changed)"),
+    "workbook": ("labkit.runner", "workbook_main", "run every notebook under runs/<name>/ and write the summary"),
+    "repro": ("labkit.runner", "repro_main", "rerun one notebook with validated parameters"),
     "student": ("labkit.student", "main", "write the student edition (solutions removed)"),
     "progress": ("labkit.grading", "progress_main", "show which exercises pass in executed notebooks"),
 }

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from labkit.errors import LabkitError
+from labkit.notebooks import NOTEBOOK_GLOB, show_record, stored_records
 
 __all__ = ["case", "check", "metric", "table"]
 
@@ -118,16 +119,16 @@ def check(case_id: str, verdict: str, evidence: str, claim: str | None = None,
                      device_dependent=device_dependent)
     _session[:] = [v for v in _session if v.id != case_id] + [record]
     payload = {k: v for k, v in asdict(record).items() if k != "device_dependent"}
-    _emit(f"[{case_id}] {verdict}: {record.evidence}", CLAIM_MIME, payload)
+    show_record(f"[{case_id}] {verdict}: {record.evidence}", CLAIM_MIME, payload)
 
 
 def metric(name: str, value: float | int | str | bool) -> None:
-    """Record one named result for papermill runs and sweeps (see `labkit.repro`)."""
+    """Record one named result for papermill runs and sweeps (see `labkit.runner`)."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name):
         raise LabkitError(f"metric name {name!r} must be an identifier such as 'eval_acc'")
     if isinstance(value, float) and value != value:
         raise LabkitError(f"metric {name!r} is NaN: record a finite value or a string saying why")
-    _emit(f"metric {name} = {value}", METRIC_MIME, {"name": name, "value": value})
+    show_record(f"metric {name} = {value}", METRIC_MIME, {"name": name, "value": value})
 
 
 def recorded() -> list[Verdict]:
@@ -166,39 +167,11 @@ def _format_row(v: Verdict, width: int) -> str:
     return "\n".join([head, wrap.fill("claim: " + v.claim), wrap.fill("evidence: " + v.evidence)])
 
 
-def _emit(text: str, mime: str, payload: dict) -> None:
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:
-        get_ipython = None
-    if get_ipython is not None and get_ipython() is not None:
-        display({"text/plain": text, mime: payload}, raw=True)
-    else:
-        print(text)
-
-
-def stored_records(notebook: str | Path, mime: str = CLAIM_MIME) -> list[dict]:
-    """The records of one mimetype stored in a notebook's outputs, without executing it."""
-    path = Path(notebook)
-    try:
-        nb = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise LabkitError(f"cannot read notebook {path}: {error}") from error
-    found = []
-    for cell in nb.get("cells", []):
-        for output in cell.get("outputs", []):
-            payload = output.get("data", {}).get(mime)
-            if payload is not None:
-                found.append(dict(payload, notebook=path.stem))
-    return found
-
-
 def collect(paths: list[str | Path]) -> list[dict]:
     """Every claim verdict stored in the given notebooks (or folders of notebooks), validated."""
     records = []
     for notebook in _notebooks(paths):
-        for record in stored_records(notebook):
+        for record in stored_records(notebook, CLAIM_MIME):
             try:
                 validate(record.get("id", ""), record.get("verdict", ""), record.get("evidence", ""))
             except LabkitError as error:
@@ -212,7 +185,7 @@ def _notebooks(paths: list[str | Path]) -> list[Path]:
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found += sorted(path.glob("[0-9][0-9]_*.ipynb"))
+            found += sorted(path.glob(NOTEBOOK_GLOB))
         elif path.suffix == ".ipynb" and path.exists():
             found.append(path)
         else:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.errors import LabkitError
+from labkit.messages import first_line
 
 __all__ = ["RankFailure", "run_ranks"]
 
@@ -52,6 +53,7 @@ SETTLE_SECONDS = 1.0
 # A rank still alive this long after SIGTERM gets SIGKILL.
 TERMINATE_GRACE_SECONDS = 1.0
 LOG_TAIL_LINES = 5
+ERROR_LINE_CHARS = 200  # how much of a rank's exception message its report quotes
 MAX_WORLD_SIZE = 8
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -76,7 +78,8 @@ class _Rank:
     process: multiprocessing.process.BaseProcess
     reader: Connection
     log: Path
-    outcome: tuple | None = None  # ("ok", value) or ("raised", summary) or ("died", summary)
+    # ("ok", value), ("raised", error type, first line of its message) or ("died", how, log tail)
+    outcome: tuple | None = None
 
 
 def run_ranks(fn: Callable, world_size: int = 2, *, args: tuple = (), timeout: float = 60.0) -> list:
@@ -162,7 +165,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, args: tuple, store_path
     except Exception as error:  # reported to the parent, which raises RankFailure naming this rank
         traceback.print_exc()
         if not reported:
-            _report(writer, ("raised", _summary(error)))
+            _report(writer, ("raised", type(error).__name__, first_line(str(error), ERROR_LINE_CHARS)))
     writer.close()
 
 
@@ -194,11 +197,6 @@ def _write_output_to(log_path: str) -> None:
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-
-
-def _summary(error: BaseException) -> str:
-    first_line = (str(error).strip().splitlines() or [""])[0][:200]
-    return f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
 
 
 def _collect(ranks: list[_Rank], deadline: float, timeout: float) -> None:
@@ -238,16 +236,14 @@ def _read_outcome(rank: _Rank) -> None:
             pass  # the pipe closed without a report: the rank died, described below
     if not rank.process.is_alive():
         rank.process.join(TERMINATE_GRACE_SECONDS)
-        rank.outcome = ("died", _death(rank))
+        rank.outcome = ("died", _death(rank), _log_tail(rank.log))
 
 
 def _death(rank: _Rank) -> str:
     code = rank.process.exitcode
     if code is not None and code < 0:
-        how = f"was killed by signal {signal.Signals(-code).name}"
-    else:
-        how = f"exited with code {code}"
-    return f"{how} before returning a result{_log_tail(rank.log)}"
+        return f"was killed by signal {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def _log_tail(log: Path) -> str:
@@ -260,26 +256,30 @@ def _log_tail(log: Path) -> str:
 
 def _failure_report(ranks: list[_Rank], timeout: float, timed_out: bool) -> RankFailure:
     """One message naming the rank to look at first: a dead rank, then a raising one, then a slow one."""
-    failures = {}
+    failures, briefly = {}, {}
     for rank in ranks:
-        if rank.outcome is None:
-            failures[rank.rank] = (f"did not finish within {timeout:g} s" if timed_out
-                                   else "was still running when it was stopped")
-        elif rank.outcome[0] != "ok":
-            failures[rank.rank] = ("died: " if rank.outcome[0] == "died" else "raised ") + rank.outcome[1]
+        if rank.outcome is None or rank.outcome[0] != "ok":
+            failures[rank.rank], briefly[rank.rank] = _describe(rank.outcome, timeout, timed_out)
     order = {"died": 0, "raised": 1, None: 2}
     culprit = min(failures, key=lambda r: (order[ranks[r].outcome[0] if ranks[r].outcome else None], r))
     others = [r for r in failures if r != culprit]
     message = f"rank {culprit} {failures[culprit]}"
     if others:
-        message += "; then " + ", ".join(f"rank {r} {_short(failures[r])}" for r in others)
+        message += "; then " + ", ".join(f"rank {r} {briefly[r]}" for r in others)
     message += f". All {len(ranks)} rank processes have been stopped."
     return RankFailure(message, failures)
 
 
-def _short(description: str) -> str:
-    """A failed rank's description without its log tail (the first rank's report carries the detail)."""
-    return description.split(" (its log ends:")[0].split(":")[0]
+def _describe(outcome: tuple | None, timeout: float, timed_out: bool) -> tuple[str, str]:
+    """A failed rank's description in full, and in brief for the ranks after the first (its report has the detail)."""
+    if outcome is None:
+        text = f"did not finish within {timeout:g} s" if timed_out else "was still running when it was stopped"
+        return text, text
+    if outcome[0] == "raised":
+        _, error_type, line = outcome
+        return f"raised {error_type}: {line}" if line else f"raised {error_type}", f"raised {error_type}"
+    _, how, log_tail = outcome
+    return f"died: {how} before returning a result{log_tail}", "died"
 
 
 def _stop(ranks: list[_Rank]) -> None:

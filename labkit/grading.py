@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import claims
 from labkit.errors import LabkitError
 from labkit.exercises import Exercise, NotYet, exercise_order, registry
+from labkit.messages import describe_error
+from labkit.notebooks import show_record, stored_records
 
 __all__ = ["EXERCISE_NAMESPACE", "check", "score"]
 
@@ -72,7 +73,7 @@ class _AnswerRaised(Exception):
 
 
 def known_exercises() -> list[str]:
-    """The IDs of every registered exercise, in course order (see 00_start_here)."""
+    """The IDs of every registered exercise, in course order."""
     return list(registry())
 
 
@@ -99,9 +100,9 @@ def run_check(exercise_id: str, answer: Callable) -> Result:
         if isinstance(raised.error, NotImplementedError):
             # The fix is the exercise itself, so before a first attempt the hint only says where to write.
             return _not_yet(spec, _NOT_ATTEMPTED.format(name=name), _WHERE_TO_ANSWER.format(id=spec.id))
-        return _not_yet(spec, f"{name} raised {_describe_error(raised.error)}")
+        return _not_yet(spec, f"{name} raised {describe_error(raised.error, MAX_ERROR_CHARS)}")
     except Exception as error:  # the answer returned something the check could not even inspect
-        return _not_yet(spec, f"checking what {name} returned failed with {_describe_error(error)}")
+        return _not_yet(spec, f"checking what {name} returned failed with {describe_error(error, MAX_ERROR_CHARS)}")
     return Result(spec.id, spec.notebook, True, f"✓ Exercise {spec.id} passed: {_sentence(praise)}")
 
 
@@ -174,13 +175,6 @@ def _not_yet(spec: Exercise, problem: str, hint: str | None = None) -> Result:
     return Result(spec.id, spec.notebook, False, message)
 
 
-def _describe_error(error: Exception) -> str:
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    if len(first_line) > MAX_ERROR_CHARS:
-        first_line = first_line[: MAX_ERROR_CHARS - 1] + "…"
-    return f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
-
-
 def _clause(text: str) -> str:
     return text.strip().rstrip(".")
 
@@ -191,13 +185,7 @@ def _sentence(text: str) -> str:
 
 def _show(result: Result) -> None:
     """Display the verdict as JSON for `progress` plus plain text; plain print outside IPython."""
-    from IPython import get_ipython
-    from IPython.display import display
-
-    if get_ipython() is None:
-        print(result.message)
-        return
-    display({GRADE_MIMETYPE: asdict(result), "text/plain": result.message}, raw=True)
+    show_record(result.message, GRADE_MIMETYPE, asdict(result))
 
 
 # ---- progress across a folder of executed notebooks --------------------------------------------
@@ -216,11 +204,11 @@ class Progress:
 
 def read_grades(path: Path) -> dict[str, dict]:
     """The grade payloads stored in one executed notebook, by exercise; a later output wins."""
-    return {payload["exercise"]: payload for payload in claims.stored_records(path, GRADE_MIMETYPE)}
+    return {payload["exercise"]: payload for payload in stored_records(path, GRADE_MIMETYPE)}
 
 
 def course_progress(folder: Path) -> list[Progress]:
-    """Every exercise of the course with its standing in ``folder``'s executed notebooks (00_start_here)."""
+    """Every exercise of the course with its standing in ``folder``'s executed notebooks."""
     folder = Path(folder)
     if not folder.is_dir():
         raise LabkitError(f"no folder {folder}: write the student edition with `make student`, then run its notebooks")

@@ -5,13 +5,12 @@ or "unavailable" with the reason (a GPU-only probe on a CPU says "needs a CUDA d
 bandwidth and matmul probes measure the CPU (GB/s, GFLOP/s); on a CUDA device they measure the GPU
 (TB/s, TFLOP/s) and can be set against the datasheet ceilings in `DATASHEETS`.
 
-Taught in `00_start_here` (fingerprint), `12_batch_size` (timer, copy bandwidth, utilisation),
-`10_mixed_precision` (matmul throughput by precision) and `13_memory` (peak memory).
+Taught in `00_start_here` (fingerprint), `12_batch_size` (timer, utilisation), `13_memory` (copy
+bandwidth against its ceiling) and `02_gradients_accumulate` (peak memory).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -28,10 +27,31 @@ import psutil
 import torch
 from torch.utils import benchmark
 
+from labkit.devices import resolve_device
 from labkit.errors import LabkitError
 from labkit.readings import Reading
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+__all__ = [
+    "DATASHEETS",
+    "MATMUL_PRECISIONS",
+    "GpuDatasheet",
+    "OversubscribedWarning",
+    "Timing",
+    "UtilisationSampler",
+    "ceiling",
+    "copy_bandwidth",
+    "datasheet_ceiling",
+    "datasheet_for",
+    "device_facts",
+    "fingerprint",
+    "format_fingerprint",
+    "fraction_of_ceiling",
+    "matmul_throughput",
+    "measure_time",
+    "peak_memory",
+]
+
+MATMUL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 """The matmul precisions `matmul_throughput` measures; tf32 is fp32 storage on TF32 tensor cores."""
 
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,6 +61,9 @@ _QUANTITY = {"GB/s": "bandwidth", "TB/s": "bandwidth", "GFLOP/s": "throughput", 
 _MIN_SAMPLES = 5  # fewer samples than this give no usable median or interquartile range
 _MAX_SAMPLES = 2000  # caps the CUDA-event pairs recorded for very short kernels
 _MIB = 2**20
+# The probes time with CUDA events or the wall clock and read CUDA counters: MPS has neither here.
+# A CUDA device this machine lacks is still resolved, so a probe can answer "needs a CUDA device".
+_MEASURED_KINDS = ("cpu", "cuda")
 _NEEDS_CUDA = "needs a CUDA device: torch.cuda.is_available() is False on this machine"
 _FINGERPRINT_KEYS = ("python", "torch", "cuda", "cudnn", "gpu", "driver", "cpu", "flags", "unavailable")
 
@@ -60,7 +83,7 @@ def fingerprint() -> dict:
     Keys: python, platform, torch, cuda (torch's CUDA build), cudnn, gpu (name, capability, memory,
     multiprocessors, count), driver, cpu (model, cores, torch threads), flags (determinism and TF32
     switches), and ``unavailable``: for every value that is None, the reason it could not be had.
-    Taught in `00_start_here`; `stamp_notebook` stores it in an executed notebook's metadata.
+    Taught in `00_start_here`; `labkit.notebooks.stamp_notebook` stores it in an executed notebook's metadata.
     """
     fields = {"cuda": _cuda_build(), "cudnn": _cudnn_version(), "gpu": _gpu_identity(), "driver": _driver_version()}
     cpu = _cpu_identity()
@@ -102,48 +125,6 @@ def format_fingerprint(fp: dict) -> str:
         "{float32_matmul_precision} · TF32 matmul {cuda_matmul_allow_tf32}".format(**flags),
     ]
     return "\n".join(lines)
-
-
-def stamp_notebook(notebook, fp: dict | None = None):
-    """Store a fingerprint in a notebook's ``metadata["labkit"]["fingerprint"]``.
-
-    ``notebook`` is the path of an .ipynb file (read, stamped and written back) or a notebook
-    object (stamped in place). ``fp`` defaults to this machine's `fingerprint()`. Returns the
-    stamped notebook. The repro runner calls this on executed notebooks; `00_start_here` shows it.
-    """
-    stamp = _json_copy(fp if fp is not None else fingerprint())
-    if isinstance(notebook, (str, Path)):
-        return _stamp_file(Path(notebook), stamp)
-    if isinstance(notebook, dict) and isinstance(notebook.get("metadata"), dict):
-        return _put_stamp(notebook, stamp)
-    raise LabkitError(
-        f"stamp_notebook needs a notebook path or a notebook object with metadata, not "
-        f"{type(notebook).__name__}: pass the .ipynb path or nbformat.read(path, as_version=4)"
-    )
-
-
-def _stamp_file(path: Path, stamp: dict):
-    # Imported here: the GPU runner's image has torch but may lack nbformat, and probes must import there.
-    import nbformat
-
-    if not path.is_file():
-        raise LabkitError(f"no notebook at {path}: pass the path of an existing .ipynb file")
-    notebook = _put_stamp(nbformat.read(path, as_version=4), stamp)
-    nbformat.write(notebook, path)
-    return notebook
-
-
-def _put_stamp(notebook, stamp: dict):
-    notebook["metadata"].setdefault("labkit", {})["fingerprint"] = stamp
-    return notebook
-
-
-def _json_copy(fp: dict) -> dict:
-    # A round trip both proves the stamp is plain JSON and keeps later edits of `fp` out of the notebook.
-    try:
-        return json.loads(json.dumps(fp))
-    except TypeError as err:
-        raise LabkitError(f"the fingerprint must be plain JSON ({err}): pass fingerprint()'s dict") from err
 
 
 def _describe_gpu(gpu: dict | None, reason: str) -> str:
@@ -334,9 +315,9 @@ def datasheet_for(device_name: str) -> GpuDatasheet | None:
 
 
 def datasheet_ceiling(kind: str, device_name: str) -> Reading:
-    """The datasheet ceiling of ``kind`` ("copy" or a precision in `PRECISIONS`) for a named GPU.
+    """The datasheet ceiling of ``kind`` ("copy" or a precision in `MATMUL_PRECISIONS`) for a named GPU.
 
-    Copy ceilings are in TB/s, matmul ceilings in dense TFLOP/s. Taught in `12_batch_size`.
+    Copy ceilings are in TB/s, matmul ceilings in dense TFLOP/s.
     """
     kind = _check_kind(kind)
     unit = "TB/s" if kind == "copy" else "TFLOP/s"
@@ -356,10 +337,10 @@ def ceiling(kind: str, device=None) -> Reading:
 
     A GPU missing from `DATASHEETS` still gets a copy ceiling estimated from its memory clock and
     bus width. CPUs get none: the OS does not report the memory channels and vector units a CPU
-    ceiling needs. Taught in `12_batch_size` and `10_mixed_precision`.
+    ceiling needs. Taught in `13_memory`.
     """
     kind = _check_kind(kind)
-    dev = _resolve_device(device)
+    dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     unit = _rate_unit(kind, dev)
     if dev.type == "cpu":
         return Reading.unavailable(
@@ -377,9 +358,9 @@ def device_facts(device=None) -> dict[str, Reading]:
     """Memory, multiprocessors, last-level cache and memory-bandwidth ceilings of a device.
 
     Keys: memory (B), multiprocessors (SMs), last_level_cache (B: a GPU's L2, a CPU's
-    highest cache level), bandwidth_theoretical, bandwidth_datasheet. Taught in `00_start_here`.
+    highest cache level), bandwidth_theoretical, bandwidth_datasheet.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     if dev.type == "cpu":
         return _cpu_facts()
     if reason := _cuda_missing(dev):
@@ -490,7 +471,7 @@ def measure_time(fn: Callable[[], object], *, device=None, warmup: int = 2, min_
         raise LabkitError(f"warmup must be a whole number of calls ≥ 0, not {warmup!r}")
     if not min_run_time > 0:
         raise LabkitError(f"min_run_time must be a positive number of seconds, not {min_run_time!r}")
-    dev = _resolve_device(device)
+    dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     if reason := _cuda_missing(dev):
         raise LabkitError(f"cannot time on {dev}: {reason}; use device='cpu'")
     for _ in range(warmup):
@@ -546,9 +527,9 @@ def copy_bandwidth(device=None, *, size_mib: float | None = None, warmup: int = 
 
     The buffers default to several times the last-level cache (at least 2 GiB on a GPU, 64 MiB on
     a CPU) so the copy measures memory, not cache. GB/s on a CPU, TB/s on a GPU. Taught in
-    `12_batch_size`; compare with `ceiling("copy")`.
+    `13_memory`; compare with `ceiling("copy")`.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     unit = _rate_unit("copy", dev)
     if reason := _cuda_missing(dev):
         return Reading.unavailable(unit, reason)
@@ -566,12 +547,12 @@ def matmul_throughput(dtype="bf16", device=None, *, n: int | None = None, warmup
                       min_run_time: float = 0.5) -> Reading:
     """Dense matmul throughput of an n×n by n×n product on random data, 2·n³ FLOP per product.
 
-    ``dtype`` is one of `PRECISIONS` ("fp32", "tf32", "bf16", "fp16") or torch.float32 /
+    ``dtype`` is one of `MATMUL_PRECISIONS` ("fp32", "tf32", "bf16", "fp16") or torch.float32 /
     bfloat16 / float16. fp32 runs with TF32 off and tf32 with it on, whatever the notebook set.
-    GFLOP/s on a CPU, TFLOP/s on a GPU. Taught in `10_mixed_precision`.
+    GFLOP/s on a CPU, TFLOP/s on a GPU.
     """
     precision = _precision(dtype)
-    dev = _resolve_device(device)
+    dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     unit = _rate_unit(precision, dev)
     if reason := _cuda_missing(dev) or _unsupported(precision, dev):
         return Reading.unavailable(unit, reason)
@@ -591,9 +572,9 @@ def peak_memory(device=None) -> Reading:
 
     On a CPU it is unavailable: `torch.cuda.max_memory_allocated` returns 0 there, and a process's
     resident peak mixes in Python and library memory, so it is not passed off as a tensor peak.
-    Taught in `13_memory`.
+    Taught in `02_gradients_accumulate`.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     if dev.type == "cpu":
         return Reading.unavailable(
             "B", "needs a CUDA device: torch counts tensor peaks only in the CUDA caching allocator"
@@ -607,7 +588,7 @@ def peak_memory(device=None) -> Reading:
 def fraction_of_ceiling(achieved: Reading, ceiling_reading: Reading) -> Reading:
     """Achieved / ceiling in percent, converting GB/s↔TB/s and GFLOP/s↔TFLOP/s; unavailable if either is.
 
-    Taught in `12_batch_size`.
+    Taught in `13_memory`.
     """
     if not isinstance(achieved, Reading) or not isinstance(ceiling_reading, Reading):
         raise LabkitError(
@@ -627,18 +608,6 @@ def fraction_of_ceiling(achieved: Reading, ceiling_reading: Reading) -> Reading:
                           f"{ceiling_reading.provenance} {ceiling_reading.value:.4g} {ceiling_reading.unit}")
 
 
-def _resolve_device(device) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise LabkitError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda'") from err
-    if dev.type not in ("cpu", "cuda"):
-        raise LabkitError(f"labkit.probes measures 'cpu' or 'cuda', not {dev.type!r}: pass device='cpu' or 'cuda'")
-    return dev
-
-
 def _cuda_missing(dev: torch.device) -> str:
     """Why a CUDA device cannot be measured here, or "" when it can (or the device is the CPU)."""
     if dev.type != "cuda":
@@ -651,17 +620,17 @@ def _cuda_missing(dev: torch.device) -> str:
 
 
 def _check_kind(kind: str) -> str:
-    if kind != "copy" and kind not in PRECISIONS:
-        raise LabkitError(f"unknown ceiling kind {kind!r}: use 'copy' or one of {', '.join(PRECISIONS)}")
+    if kind != "copy" and kind not in MATMUL_PRECISIONS:
+        raise LabkitError(f"unknown ceiling kind {kind!r}: use 'copy' or one of {', '.join(MATMUL_PRECISIONS)}")
     return kind
 
 
 def _precision(dtype) -> str:
     if isinstance(dtype, torch.dtype) and dtype in _PRECISION_OF_DTYPE:
         return _PRECISION_OF_DTYPE[dtype]
-    if dtype in PRECISIONS:
+    if dtype in MATMUL_PRECISIONS:
         return dtype
-    raise LabkitError(f"unknown matmul precision {dtype!r}: use one of {', '.join(PRECISIONS)} "
+    raise LabkitError(f"unknown matmul precision {dtype!r}: use one of {', '.join(MATMUL_PRECISIONS)} "
                       "or torch.float32 / torch.bfloat16 / torch.float16")
 
 
@@ -766,7 +735,8 @@ class UtilisationSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._finished = False
-        self._reader, self._reason = _utilisation_reader(_resolve_device(device))
+        dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
+        self._reader, self._reason = _utilisation_reader(dev)
 
     @property
     def samples(self) -> tuple[float, ...]:

@@ -6,7 +6,6 @@
 and everything else (planted bugs, checks, the `parameters` cell and its tags) stays as it is. The
 edition is generated, never hand-edited. This module also owns the exercise-cell convention of
 notebooks/AUTHORING.md, which tests/test_exercises.py uses to find each exercise's three cells.
-00_start_here teaches the workflow.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from pathlib import Path
 import nbformat
 
 from labkit.errors import LabkitError
+from labkit.notebooks import NOTEBOOK_GLOB
 
 # Used through `python -m labkit student` (make student); nothing here is imported by name.
 __all__: list[str] = []
@@ -30,7 +30,6 @@ END_SOLUTION = "### END SOLUTION"
 EXERCISE_HEADER = re.compile(r"^# exercise (\d{2}\.\d+)\s*$")
 PLANTED_BUG_HEADER = re.compile(r"^# planted bug for exercise (\d{2}\.\d+)\s*$")
 CHECK_CALL = re.compile(r"""grading\.check\(\s*["'](\d{2}\.\d+)["']\s*,\s*([A-Za-z_]\w*)\s*\)""")
-NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 STUB = ('# YOUR CODE HERE', 'raise NotImplementedError("Exercise {id}: replace this line with your answer")')
 # Marks a notebook as this generator's output, so a rerun overwrites only the edition's own files.
 EDITION_METADATA = {"edition": "student"}
@@ -173,7 +172,7 @@ def _assemble(exercise_id: str, roles: dict[str, tuple[int, str]], name: str) ->
 
 
 def student_notebook(notebook: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
-    """A copy of a solution notebook with answers stubbed and outputs cleared (see 00_start_here)."""
+    """A copy of a solution notebook with answers stubbed and outputs cleared."""
     exercises = find_exercises(notebook, name)
     edition = copy.deepcopy(notebook)
     for index, cell in enumerate(edition.cells):

@@ -8,6 +8,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import LabkitError
-from labkit.distributed import RankFailure, run_ranks
+from labkit.distributed import RankFailure, _failure_report, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,3 +176,14 @@ def test_ranks_die_with_a_parent_that_is_killed_outright(tmp_path):
     while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(gone(pid) for pid in pids)
+
+
+def test_the_report_is_formatted_once_from_each_rank_s_structured_outcome():
+    ranks = [SimpleNamespace(rank=0, outcome=("raised", "ValueError", "x: y (its log ends: z)")),
+             SimpleNamespace(rank=1, outcome=("died", "was killed by signal SIGKILL", " (its log ends: a: b)")),
+             SimpleNamespace(rank=2, outcome=None)]
+    report = _failure_report(ranks, timeout=5, timed_out=False)
+    assert str(report) == ("rank 1 died: was killed by signal SIGKILL before returning a result (its log ends: a: b); "
+                           "then rank 0 raised ValueError, rank 2 was still running when it was stopped. "
+                           "All 3 rank processes have been stopped.")
+    assert report.failures[0] == "raised ValueError: x: y (its log ends: z)"

@@ -101,40 +101,6 @@ def test_format_fingerprint_is_compact_and_names_the_stack():
         probes.format_fingerprint({"torch": "2.13.0"})
 
 
-def test_stamp_notebook_in_memory_keeps_other_metadata_and_copies_the_fingerprint():
-    nbformat = pytest.importorskip("nbformat")  # the GPU image may lack it; the GPU tests here must still run
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    fp = probes.fingerprint()
-    stamped = probes.stamp_notebook(notebook, fp)
-    assert stamped is notebook
-    assert notebook.metadata["labkit"]["fingerprint"] == fp
-    assert notebook.metadata["kernelspec"]["name"] == "python3"
-    fp["torch"] = "edited later"
-    assert notebook.metadata["labkit"]["fingerprint"]["torch"] == torch.__version__
-
-
-def test_stamp_notebook_on_disk_writes_a_valid_notebook(tmp_path):
-    nbformat = pytest.importorskip("nbformat")
-    path = tmp_path / "run.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")]), path)
-    probes.stamp_notebook(path)
-    reread = nbformat.read(path, as_version=4)
-    nbformat.validate(reread)
-    assert reread.metadata["labkit"]["fingerprint"]["torch"] == torch.__version__
-    assert reread.cells[0].source == "1 + 1"
-
-
-def test_stamp_notebook_rejects_what_is_not_a_notebook_or_not_json(tmp_path):
-    nbformat = pytest.importorskip("nbformat")
-    with pytest.raises(LabkitError, match="notebook path"):
-        probes.stamp_notebook(42)
-    with pytest.raises(LabkitError, match="no notebook at"):
-        probes.stamp_notebook(tmp_path / "missing.ipynb")
-    with pytest.raises(LabkitError, match="plain JSON"):
-        probes.stamp_notebook(nbformat.v4.new_notebook(), {"when": object()})
-
-
 # ------------------------------------------------------------------------------------------ timer
 
 
@@ -255,8 +221,10 @@ def test_bad_probe_arguments_name_the_fix():
         probes.copy_bandwidth("cpu", size_mib=0)
     with pytest.raises(LabkitError, match="n must be"):
         probes.matmul_throughput("fp32", "cpu", n=0)
-    with pytest.raises(LabkitError, match="'cpu' or 'cuda'"):
+    with pytest.raises(LabkitError, match="'auto', 'cpu', 'cuda' or 'cuda:N'"):
         probes.copy_bandwidth("tpu")
+    with pytest.raises(LabkitError, match="not supported here: use 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        probes.peak_memory("mps")
     with pytest.raises(LabkitError, match="'copy'"):
         probes.ceiling("int4")
 
@@ -264,7 +232,7 @@ def test_bad_probe_arguments_name_the_fix():
 def test_no_cpu_probe_returns_a_silent_zero():
     readings = {
         **{f"fact {key}": reading for key, reading in probes.device_facts("cpu").items()},
-        **{f"ceiling {kind}": probes.ceiling(kind, "cpu") for kind in ("copy", *probes.PRECISIONS)},
+        **{f"ceiling {kind}": probes.ceiling(kind, "cpu") for kind in ("copy", *probes.MATMUL_PRECISIONS)},
         "peak_memory": probes.peak_memory("cpu"),
         "copy": probes.copy_bandwidth("cpu", size_mib=4, **QUICK),
         "matmul": probes.matmul_throughput("fp32", "cpu", n=64, **QUICK),
@@ -414,7 +382,7 @@ def test_benchmark_prints_achieved_against_ceiling_and_compares_runs(tmp_path, c
     assert "| copy |" in printed and "GB/s" in printed
     assert "load average" in printed
     rows = {row["probe"]: row for row in json.loads(first.read_text())["rows"]}
-    assert set(rows) == {"copy", *probes.PRECISIONS}
+    assert set(rows) == {"copy", *probes.MATMUL_PRECISIONS}
     assert len(rows["copy"]["values"]) == 2 and rows["copy"]["spread_pct"] is not None
     assert rows["tf32"]["reason"].startswith(NEEDS_CUDA)
     assert bench.main([*small, "--runs", "1", "--compare", str(first)]) == 0
@@ -480,7 +448,7 @@ def test_gpu_copy_bandwidth_is_measured_against_its_ceiling():
 @pytest.mark.gpu
 def test_gpu_matmul_precisions_are_measured_and_bf16_beats_fp32():
     before = torch.get_float32_matmul_precision()
-    readings = {p: probes.matmul_throughput(p, "cuda", n=4096, min_run_time=0.2) for p in probes.PRECISIONS}
+    readings = {p: probes.matmul_throughput(p, "cuda", n=4096, min_run_time=0.2) for p in probes.MATMUL_PRECISIONS}
     assert torch.get_float32_matmul_precision() == before
     assert readings["fp32"].provenance == "measured" and readings["fp32"].unit == "TFLOP/s"
     for reading in readings.values():

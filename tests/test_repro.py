@@ -1,4 +1,4 @@
-"""labkit.repro: devices, seeding, parameter validation, and runs that fail clearly."""
+"""labkit.repro (devices, seeding) and labkit.runner (parameter validation, runs that fail clearly, sweeps)."""
 
 import json
 import time
@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from labkit import LabkitError, repro
+from labkit import LabkitError, repro, runner
+from labkit.devices import resolve_device
 
 PARAMS = 'seed = 0\ndevice = "auto"\nsteps = 3\nlr = 0.1\nbug = False'
 
@@ -14,11 +15,28 @@ PARAMS = 'seed = 0\ndevice = "auto"\nsteps = 3\nlr = 0.1\nbug = False'
 def test_auto_device_is_cpu_without_cuda_and_cuda_is_refused_clearly():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the refusal is for CPU-only machines")
-    assert repro.pick_device("auto").type == "cpu"
+    assert resolve_device("auto").type == "cpu" and repro.setup(device="auto").type == "cpu"
     with pytest.raises(LabkitError, match="no CUDA device.*device='auto'"):
-        repro.pick_device("cuda")
-    with pytest.raises(LabkitError, match="not one of"):
-        repro.pick_device("gpu")
+        repro.setup(device="cuda")
+    with pytest.raises(LabkitError, match="no CUDA device"):
+        resolve_device("cuda:1")
+    with pytest.raises(LabkitError, match="unknown device 'gpu': use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"):
+        resolve_device("gpu")
+
+
+def test_mps_is_refused_naming_what_the_machine_has_unless_torch_reports_it():
+    if torch.backends.mps.is_available():
+        assert resolve_device("mps").type == "mps"
+        return
+    with pytest.raises(LabkitError, match="no MPS device.*this machine has cpu"):
+        resolve_device("mps")
+
+
+def test_a_caller_can_narrow_the_kinds_and_keep_a_missing_cuda_device():
+    assert resolve_device("cuda:3", kinds=("cpu", "cuda"), must_exist=False) == torch.device("cuda:3")
+    with pytest.raises(LabkitError, match="not supported here: use 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        resolve_device("mps", kinds=("cpu", "cuda"))
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
 
 
 def test_setup_makes_random_streams_repeat():
@@ -45,34 +63,34 @@ def test_fastest_kernels_lifts_deterministic_mode_and_restores_it_even_on_error(
 
 def test_parameters_are_read_from_the_tagged_cell(make_notebook):
     nb = make_notebook("p", PARAMS, "print(steps)")
-    assert repro.notebook_parameters(nb) == {"seed": 0, "device": "auto", "steps": 3, "lr": 0.1, "bug": False}
+    assert runner.notebook_parameters(nb) == {"seed": 0, "device": "auto", "steps": 3, "lr": 0.1, "bug": False}
 
 
 def test_unknown_parameter_lists_the_allowed_ones(make_notebook):
     nb = make_notebook("p", PARAMS, "print(steps)")
     with pytest.raises(LabkitError, match=r"no parameter stpes; allowed: seed \(default 0\), device"):
-        repro.validate_parameters(nb, {"stpes": 5})
+        runner.validate_parameters(nb, {"stpes": 5})
 
 
 @pytest.mark.parametrize("name, value", [("steps", "five"), ("bug", 1), ("steps", 2.5), ("device", 0)])
 def test_wrong_types_are_rejected(make_notebook, name, value):
     nb = make_notebook("p", PARAMS, "print(steps)")
     with pytest.raises(LabkitError, match=f"parameter {name} expects"):
-        repro.validate_parameters(nb, {name: value})
+        runner.validate_parameters(nb, {name: value})
 
 
 def test_ints_are_accepted_for_float_parameters(make_notebook):
     nb = make_notebook("p", PARAMS, "print(steps)")
-    assert repro.validate_parameters(nb, {"lr": 1}) == {"lr": 1.0}
+    assert runner.validate_parameters(nb, {"lr": 1}) == {"lr": 1.0}
 
 
 def test_command_line_values_parse_as_literals():
-    assert [repro.parse_value(v) for v in ["8", "0.5", "true", "None", "cpu"]] == [8, 0.5, True, None, "cpu"]
+    assert [runner.parse_value(v) for v in ["8", "0.5", "true", "None", "cpu"]] == [8, 0.5, True, None, "cpu"]
 
 
 def test_a_run_writes_only_under_its_folder_with_the_given_parameters(make_notebook, tmp_path):
     nb = make_notebook("p", PARAMS, "open('side_effect.txt', 'w').write(str(steps))")
-    result = repro.run_notebook(nb, tmp_path / "run", {"steps": 11}, timeout=120)
+    result = runner.run_notebook(nb, tmp_path / "run", {"steps": 11}, timeout=120)
     assert result.status == "ok", result.error
     assert (tmp_path / "run" / "side_effect.txt").read_text() == "11"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.ipynb", "run"]
@@ -84,7 +102,7 @@ def test_a_run_writes_only_under_its_folder_with_the_given_parameters(make_noteb
 
 def test_a_raising_cell_is_named_in_the_error(make_notebook, tmp_path):
     nb = make_notebook("p", PARAMS, "x = 1", "raise RuntimeError('planted failure')")
-    result = repro.run_notebook(nb, tmp_path / "run", timeout=120)
+    result = runner.run_notebook(nb, tmp_path / "run", timeout=120)
     assert result.status == "failed"
     assert "p.ipynb: cell 2 (\"raise RuntimeError('planted failure')\") raised RuntimeError: planted failure" in result.error
 
@@ -92,7 +110,7 @@ def test_a_raising_cell_is_named_in_the_error(make_notebook, tmp_path):
 def test_a_hung_notebook_is_stopped_at_the_timeout(make_notebook, tmp_path):
     nb = make_notebook("p", PARAMS, "import time; time.sleep(600)")
     started = time.monotonic()
-    result = repro.run_notebook(nb, tmp_path / "run", timeout=15)
+    result = runner.run_notebook(nb, tmp_path / "run", timeout=15)
     assert time.monotonic() - started < 40
     assert result.status == "failed" and "timed out after 15 s in cell 1 ('import time; time.sleep(600)')" in result.error
 
@@ -100,37 +118,37 @@ def test_a_hung_notebook_is_stopped_at_the_timeout(make_notebook, tmp_path):
 def test_a_killed_kernel_ends_the_run_with_a_clear_cause(make_notebook, tmp_path):
     nb = make_notebook("p", PARAMS, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     started = time.monotonic()
-    result = repro.run_notebook(nb, tmp_path / "run", timeout=120)
+    result = runner.run_notebook(nb, tmp_path / "run", timeout=120)
     assert time.monotonic() - started < 100
     assert result.status == "failed"
     assert "the kernel died in cell 1 ('import os, signal" in result.error, result.error
 
 
 def test_summary_lists_runs_and_claims(tmp_path):
-    runs = [repro.RunResult("00_a", "ok", 1.5, "x", claims=[{"id": "Z1", "verdict": "holds", "evidence": "0 diff"}]),
-            repro.RunResult("01_b", "failed", 2.0, "y", error="cell 3 raised ValueError: bad")]
-    repro.write_summary(runs, tmp_path)
+    runs = [runner.RunResult("00_a", "ok", 1.5, "x", claims=[{"id": "Z1", "verdict": "holds", "evidence": "0 diff"}]),
+            runner.RunResult("01_b", "failed", 2.0, "y", error="cell 3 raised ValueError: bad")]
+    runner.write_summary(runs, tmp_path)
     md = (tmp_path / "summary.md").read_text()
     assert "1/2 ok" in md and "| Z1 | 00_a | holds | 0 diff |" in md and "cell 3 raised ValueError" in md
     assert "<td>Z1</td>" in (tmp_path / "summary.html").read_text()
 
 
 def test_sweep_arguments_parse_into_a_grid():
-    grid = repro.parse_sweep(["steps=2,8", "bug=true,false"])
+    grid = runner.parse_sweep(["steps=2,8", "bug=true,false"])
     assert grid == {"steps": [2, 8], "bug": [True, False]}
-    assert repro.grid_points(grid) == [{"steps": 2, "bug": True}, {"steps": 2, "bug": False},
+    assert runner.grid_points(grid) == [{"steps": 2, "bug": True}, {"steps": 2, "bug": False},
                                        {"steps": 8, "bug": True}, {"steps": 8, "bug": False}]
     with pytest.raises(LabkitError, match="NAME=V1,V2"):
-        repro.parse_sweep(["steps"])
+        runner.parse_sweep(["steps"])
 
 
 def test_a_two_by_two_sweep_makes_a_four_row_table_and_a_plot(make_notebook, tmp_path):
     nb = make_notebook("p", PARAMS, "from labkit import claims\nclaims.metric('score', steps * 10 + seed)")
     out = tmp_path / "sweep"
-    results = repro.sweep(nb, {"steps": [1, 2], "seed": [0, 5]}, out, timeout=120, workers=2)
-    table = repro.sweep_table(results, ["steps", "seed"])
+    results = runner.sweep(nb, {"steps": [1, 2], "seed": [0, 5]}, out, timeout=120, workers=2)
+    table = runner.sweep_table(results, ["steps", "seed"])
     assert [(row["steps"], row["seed"], row["score"]) for row in table] == [(1, 0, 10), (1, 5, 15), (2, 0, 20), (2, 5, 25)]
-    written = repro.write_sweep(table, out)
+    written = runner.write_sweep(table, out)
     assert {p.name for p in written} == {"sweep.csv", "sweep.json", "sweep_score.png"}
     assert len((out / "sweep.csv").read_text().splitlines()) == 5
 
@@ -138,5 +156,25 @@ def test_a_two_by_two_sweep_makes_a_four_row_table_and_a_plot(make_notebook, tmp
 def test_a_sweep_validates_every_point_before_running(make_notebook, tmp_path):
     nb = make_notebook("p", PARAMS, "print(1)")
     with pytest.raises(LabkitError, match="no parameter batch"):
-        repro.sweep(nb, {"batch": [1, 2]}, tmp_path / "sweep")
+        runner.sweep(nb, {"batch": [1, 2]}, tmp_path / "sweep")
     assert not (tmp_path / "sweep").exists()
+
+
+def test_repro_holds_only_the_runtime_and_imports_no_course_tooling():
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(repro.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"labkit.claims", "labkit.probes", "labkit.runner", "labkit.notebooks"}, imported
+    assert set(repro.__all__) == {"setup", "seed_everything", "fastest_kernels", "pick_device"}
+
+
+def test_the_moved_tooling_names_still_resolve_from_repro():
+    from labkit import notebooks
+
+    assert repro.run_notebook is runner.run_notebook and repro.normalise is notebooks.normalise
+    assert all(getattr(repro, name) is not None for name in repro._MOVED)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        repro.not_a_name

@@ -1,0 +1,42 @@
+"""Running the workbook's notebooks from the command line: reruns, sweeps, the workbook run, refreshes.
+
+`python -m labkit repro` reruns one reproduction with validated parameters (papermill, a timeout,
+results under `runs/`); `make workbook` runs them all and writes a summary; `make notebooks`
+refreshes the committed outputs. The notebooks themselves need only `labkit.repro.setup`.
+
+- `parameters`: the parameters cell and values checked against it;
+- `run`: one papermill run in a child process group (`run_notebook`);
+- `sweep`: a grid of runs, tabulated and plotted;
+- `summary`: the workbook run's summary files;
+- `execute`: executing a committed notebook in place;
+- `cli`: the command-line entry points.
+"""
+
+from labkit.runner.cli import execute_main, normalise_main, repro_main, workbook_main
+from labkit.runner.execute import execute_in_place
+from labkit.runner.parameters import notebook_parameters, parameters_cell, parse_value, validate_parameters
+from labkit.runner.run import RunResult, resolve_notebook, run_notebook
+from labkit.runner.summary import write_summary
+from labkit.runner.sweep import grid_points, parse_sweep, plot_sweep, sweep, sweep_table, write_sweep
+
+__all__ = [
+    "RunResult",
+    "execute_in_place",
+    "execute_main",
+    "grid_points",
+    "normalise_main",
+    "notebook_parameters",
+    "parameters_cell",
+    "parse_sweep",
+    "parse_value",
+    "plot_sweep",
+    "repro_main",
+    "resolve_notebook",
+    "run_notebook",
+    "sweep",
+    "sweep_table",
+    "validate_parameters",
+    "workbook_main",
+    "write_summary",
+    "write_sweep",
+]
