@@ -8,7 +8,6 @@ with other parameters, sweeps and the workbook run live in `labkit.runner`; note
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import random
 import warnings
@@ -71,24 +70,3 @@ def fastest_kernels() -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-
-
-# The notebook-running tooling moved to labkit.runner and labkit.notebooks; the old names stay
-# importable from here for code written against them, resolved only when first used.
-_MOVED = {
-    **{name: ("labkit.runner", name) for name in (
-        "RunResult", "execute_in_place", "execute_main", "grid_points", "notebook_parameters", "parameters_cell",
-        "parse_sweep", "parse_value", "plot_sweep", "repro_main", "run_notebook", "sweep", "sweep_table",
-        "validate_parameters", "workbook_main", "write_summary", "write_sweep")},
-    **{name: ("labkit.notebooks", name) for name in (
-        "KERNELSPEC", "normalise", "pair_differences", "paired_script", "workbook_notebooks")},
-    "PAPERMILL_CELL_TAGS": ("labkit.runner.run", "PAPERMILL_CELL_TAGS"),
-    "nbformat_copy_without_outputs": ("labkit.notebooks", "copy_without_outputs"),
-}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        module, new_name = _MOVED[name]
-        return getattr(importlib.import_module(module), new_name)
-    raise AttributeError(f"module 'labkit.repro' has no attribute {name!r}")

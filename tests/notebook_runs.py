@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from labkit import repro
+from labkit import runner
 
 TEST_DEVICE = "cpu"
 # The cases a CPU run cannot measure: on the CPU their verdict is exactly `needs-gpu`, never a
@@ -28,9 +28,9 @@ def cpu_parameters(parameters: dict) -> dict:
 
 
 def run_on_cpu(notebook: Path, out_dir: Path, parameters: dict, timeout: float = 300):
-    """`repro.run_notebook` with the device pinned to the CPU, whatever this machine has; a case
+    """`runner.run_notebook` with the device pinned to the CPU, whatever this machine has; a case
     that needs a GPU must say `needs-gpu` there."""
-    result = repro.run_notebook(notebook, out_dir, cpu_parameters(parameters), timeout=timeout)
+    result = runner.run_notebook(notebook, out_dir, cpu_parameters(parameters), timeout=timeout)
     if result.status == "ok":
         measured_anyway = {c["id"]: c["verdict"] for c in result.claims
                            if c["id"] in NEEDS_A_GPU_ON_CPU and c["verdict"] != "needs-gpu"}

@@ -17,10 +17,10 @@ import nbformat
 import pytest
 import torch
 
-from labkit import claims, repro
+from labkit import claims, notebooks, runner
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = repro.workbook_notebooks(ROOT / "notebooks")
+NOTEBOOKS = notebooks.workbook_notebooks(ROOT / "notebooks")
 SKELETON_HEADINGS = ("Exercises", "Claims checked", "Summary")
 
 
@@ -34,7 +34,7 @@ def notebook(request):
 
 
 def test_notebook_and_its_script_agree(notebook):
-    assert repro.pair_differences(notebook) == [], f"run `make notebooks NB={notebook.stem}` to sync the pair"
+    assert notebooks.pair_differences(notebook) == [], f"run `make notebooks NB={notebook.stem}` to sync the pair"
 
 
 def test_every_code_cell_was_executed_without_errors(notebook):
@@ -49,12 +49,12 @@ def test_every_code_cell_was_executed_without_errors(notebook):
 def test_stored_notebook_holds_no_volatile_metadata(notebook):
     nb = nbformat.read(notebook, as_version=4)
     normalised = copy.deepcopy(nb)
-    repro.normalise(normalised)
+    notebooks.normalise(normalised)
     assert normalised == nb, "volatile metadata stored: run `make notebooks` to normalise"
 
 
 def test_parameters_cell_has_seed_and_device(notebook):
-    params = repro.notebook_parameters(notebook)
+    params = runner.notebook_parameters(notebook)
     assert isinstance(params.get("seed"), int) and params.get("device") == "auto", params
 
 

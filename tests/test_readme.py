@@ -4,7 +4,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from labkit import repro
+from labkit import notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -31,5 +31,5 @@ def test_make_help_lists_every_documented_target():
 
 
 def test_every_notebook_is_linked_in_the_table():
-    for notebook in repro.workbook_notebooks(ROOT / "notebooks"):
+    for notebook in notebooks.workbook_notebooks(ROOT / "notebooks"):
         assert f"(notebooks/{notebook.name})" in README, f"{notebook.name} is missing from the README's table"

@@ -169,12 +169,3 @@ def test_repro_holds_only_the_runtime_and_imports_no_course_tooling():
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not imported & {"labkit.claims", "labkit.probes", "labkit.runner", "labkit.notebooks"}, imported
     assert set(repro.__all__) == {"setup", "seed_everything", "fastest_kernels", "pick_device"}
-
-
-def test_the_moved_tooling_names_still_resolve_from_repro():
-    from labkit import notebooks
-
-    assert repro.run_notebook is runner.run_notebook and repro.normalise is notebooks.normalise
-    assert all(getattr(repro, name) is not None for name in repro._MOVED)
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-        repro.not_a_name

@@ -15,6 +15,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from labkit._torch_compat import tree_flatten
+from labkit.devices import resolve_device
 from labkit.errors import LabkitError
 
 __all__ = ["OPTIMIZERS", "TRAINING_PRECISIONS"]
@@ -144,14 +145,12 @@ def _check_precision(precision: str) -> None:
 
 
 def _optional_device(device) -> torch.device | None:
-    """``torch.device(device)`` with an index: tensors say ``cuda:0``, and ``cuda`` != ``cuda:0``."""
+    """The device to count for (None: the model's own), resolved by `labkit.devices.resolve_device`,
+    with an index: tensors say ``cuda:0``, and ``cuda`` != ``cuda:0``. Even fake CUDA tensors need a
+    CUDA build and driver (without them torch aborts the process), so a missing GPU is refused first."""
     if device is None:
         return None
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        # even fake CUDA tensors need a CUDA build and driver: without them torch aborts the process
-        raise LabkitError(f"device={str(device)!r} needs CUDA, and this machine has none "
-                          "(torch.cuda.is_available() is False): use device='cpu' here, or run on a GPU machine")
+    device = resolve_device(device, kinds=("cpu", "cuda"))
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
