@@ -351,8 +351,12 @@ class ArticleMonitor:
 # tracer watch both. The loss "shows it" at the first step where its 10-step average is more than
 # twice the lowest 10-step average so far. An alert counts as a warning only if the healthy twin did
 # not raise it as well: an alarm that a healthy run also raises tells you nothing about the fault.
+# Whether a std crosses 3x its baseline can hinge on the last digits (the first alert below clears
+# its threshold by 0.1 %), and a GPU rounds differently, so nbval ignores the outputs of this run;
+# the papermill tests check its verdict.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 def warmup_lr(step, capped):
     rate = lr * lr_growth**step
     return min(rate, lr_cap) if capped else rate
@@ -421,6 +425,7 @@ claims.metric("first_exploding_alert", "none" if tracer_step is None else tracer
 # (3x the mean of the last 5 logged stds). Red: the loss alarm; black: the first alert.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 if first_alert is not None:
     alert_param = first_alert[1]
     figure, axis = plt.subplots(figsize=(8, 3.5))
