@@ -491,8 +491,9 @@ claims.check(
         f"summed / averaged gradient norm equals the batch size exactly ("
         f"{', '.join(f'{s / m:.1f}' for m, s in zip(norms['mean'], norms['sum']))} for batches "
         f"{', '.join(map(str, BATCH_SIZES))}), so the step scales with the batch; but it is the large batch that "
-        f"steps too hard: with lr tuned for batch {small}, the first step at batch {large} is {sum_spread:.0f}x "
-        f"larger. Dividing by the batch size removes the dependence: the averaged gradient norm only shrinks from "
+        f"steps too hard: the summed-loss gradient norm grows {sum_spread:.0f}x from batch {small} to {large}, and "
+        f"with reduction='{reduction}' and lr tuned for batch {small} the first update at batch {large} was "
+        f"{step_ratio:.2g}x the one at batch {small}. Dividing by the batch size removes the dependence: the averaged gradient norm only shrinks from "
         f"{norms['mean'][0]:.2f} to {norms['mean'][-1]:.2f} as sampling noise falls. The OCR accuracies (99.2% to "
         f"83.1%) are untestable without that data"
     ),

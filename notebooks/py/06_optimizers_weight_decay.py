@@ -267,7 +267,7 @@ claims.check(
     "E1",
     verdict=("does-not-hold", "partly", "holds")[halves_holding],
     evidence=(
-        f"torch 2.13 Adam adds weight_decay*p to the gradient (L2, through both moments): {adam_is_l2}; AdamW "
+        f"the installed torch's Adam adds weight_decay*p to the gradient (L2, through both moments): {adam_is_l2}; AdamW "
         f"multiplies p by 1 - lr*wd, to 1e-12: {adamw_exact}. On a zero-gradient weight Adam moved by lr per step for "
         f"wd {decays[0]:g} to {decays[-1]:g} alike: {adam_same_path}. "
         f"In training (wd {weight_decay:g}) Adam's effective decay per weight fell from median {first_median:.3g} at "
@@ -349,7 +349,7 @@ claims.check(
     "E2",
     verdict="does-not-hold" if against_l2.all_close and not against_adamw.all_close else "holds",
     evidence=(
-        f"torch 2.13, {steps} steps on digits: Adam(weight_decay={weight_decay:g}) matches Adam on loss + wd/2*|p|^2 "
+        f"with the installed torch, {steps} steps on digits: Adam(weight_decay={weight_decay:g}) matches Adam on loss + wd/2*|p|^2 "
         f"within 1e-9 relative ({against_l2.all_close}) and its parameters differ from AdamW's by up to "
         f"{worst_against_adamw:.3g}; the opt-in flag decoupled_weight_decay (default False) gives AdamW's parameters exactly: "
         f"{flag_against_adamw.all_exact}"

@@ -27,18 +27,22 @@ from labkit.progress import track
 # ## Parameters
 # `steps` minibatch SGD steps train the MLP of case L1, whose learning rate warms up from `lr` by a
 # factor `lr_growth` per step. With `bug=True` the warm-up never stops (the schedule forgets its
-# cap); with `bug=False` it stops at `lr_cap`. `width` is the hidden width of the small MLPs;
-# `micro_batches` is how many backward passes case L2 accumulates per step; `timing_seconds` is how
-# long each variant of the cost comparison runs.
+# cap); with `bug=False` it stops at `lr_cap`. The run is long enough, and the warm-up slow enough,
+# that a warning 200 steps ahead of the loss is possible. `log_interval` and `alert_factor` are the
+# article's monitor settings (log every 50 steps, alert at 3x). `width` is the hidden width of the
+# small MLPs; `micro_batches` is how many backward passes case L2 accumulates per step;
+# `timing_seconds` is how long each variant of the cost comparison runs.
 
 # %% tags=["parameters"]
 seed = 0
 device = "auto"
 width = 64
-steps = 200
+steps = 600
 lr = 0.02
-lr_growth = 1.03
+lr_growth = 1.007
 lr_cap = 0.3
+log_interval = 50
+alert_factor = 3.0
 micro_batches = 3
 timing_seconds = 0.2
 bug = True
@@ -284,50 +288,75 @@ print(claims.case("L1").claim)
 
 
 # %% [markdown]
-# **The monitor the article describes**, written here from its description: after each backward,
-# copy every gradient to NumPy, sample at most 100,000 values, record std, mean, min, max and
-# sparsity, and alert when a parameter's std exceeds 3x the mean of its previous 5 readings.
+# **The monitor the article gives**, transcribed from its code: a `GradientMonitor(log_interval=50)`
+# whose `log_gradients` returns unless `step % 50 == 0`; on a logging step it copies each gradient
+# to NumPy, samples at most 100,000 values and logs std, mean, min, max, |mean| and sparsity. Its
+# train step then, on *every* step, takes each parameter's full `grad.std()` and calls
+# `check_anomaly`: an alert when that std exceeds 3x the mean of the last 5 *logged* stds (no alert
+# before 5 readings exist, so none before step 200). The article saves a file per alert; this
+# transcription keeps `(step, parameter, std)` instead, and seeds the sampling.
 
 # %%
-class NumpyMonitor:
-    """The article's gradient monitor, from its description (our code). Call observe(model, step)
-    after backward; `alerts` holds (step, parameter, std)."""
+class ArticleMonitor:
+    """The article's GradientMonitor and per-step anomaly check (our transcription of its code).
+    Call observe(model, step) between backward and optimizer.step(); `alerts` holds (step, parameter, std)."""
 
-    def __init__(self, sample=100_000, factor=3.0, window=5, rng_seed=0):
-        self.sample, self.factor, self.window = sample, factor, window
+    def __init__(self, log_interval=50, factor=3.0, window=5, sample=100_000, rng_seed=0):
+        self.log_interval, self.factor, self.window, self.sample = log_interval, factor, window, sample
         self.rng = np.random.default_rng(rng_seed)
-        self.readings = collections.defaultdict(list)
+        self.readings = collections.defaultdict(list)  # the logged statistics, every log_interval steps
+        self.checked = collections.defaultdict(list)  # (step, full std, alert threshold or None), every step
         self.alerts = []
 
     def observe(self, model, step):
+        self.log_gradients(model, step)
         for name, param in model.named_parameters():
-            if param.grad is None:
-                continue  # as described: only parameters that have a gradient are read
-            values = self.values_of(param.grad)
-            std = float(values.std())
-            previous = [r["std"] for r in self.readings[name][-self.window:]]
-            if len(previous) == self.window and std > self.factor * np.mean(previous):
-                self.alerts.append((step, name, std))
-            self.readings[name].append({"step": step, "std": std, "mean": float(values.mean()),
-                                        "min": float(values.min()), "max": float(values.max()),
-                                        "sparsity": float((np.abs(values) < 1e-8).mean())})
+            if param.grad is not None:
+                std = param.grad.std().item()
+                threshold = self.threshold(name)
+                self.checked[name].append((step, std, threshold))
+                if threshold is not None and std > threshold:
+                    self.alerts.append((step, name, std))
+
+    def threshold(self, name):
+        """factor x the mean of the last `window` logged stds; None until `window` readings exist."""
+        history = self.readings[name]
+        if len(history) < self.window:
+            return None
+        return self.factor * float(np.mean([r["std"] for r in history[-self.window:]]))
+
+    def log_gradients(self, model, step):
+        if step % self.log_interval != 0:
+            return
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                values = self.values_of(param.grad)
+                self.readings[name].append({"step": step, "std": float(values.std()), "mean": float(values.mean()),
+                                            "min": float(values.min()), "max": float(values.max()),
+                                            "abs_mean": abs(float(values.mean())),
+                                            "sparsity": float((np.abs(values) < 1e-8).mean())})
 
     def values_of(self, grad):
-        # .copy(): on a GPU this is the device-to-host transfer; on a CPU .numpy() would share memory
-        values = grad.detach().cpu().numpy().reshape(-1).copy()
+        values = grad.detach().cpu().numpy().reshape(-1)
         if values.size > self.sample:
             values = self.rng.choice(values, self.sample, replace=False)
         return values
 
 
 # %% [markdown]
-# **Reproduce: a run that goes wrong.** A tanh MLP trained with minibatch SGD and a learning-rate
-# warm-up that multiplies the rate by `lr_growth` each step. With `bug=True` the warm-up forgets its
-# cap, so the rate keeps growing until training blows up. The tracer and the monitor watch the same
-# run. The loss "shows it" at the first step where its 10-step average is more than twice the lowest
-# 10-step average so far.
+# **Reproduce: a run that goes wrong, and its healthy twin.** A tanh MLP trained with minibatch SGD
+# and a learning-rate warm-up that multiplies the rate by `lr_growth` each step. With `bug=True` the
+# warm-up forgets its cap, so the rate keeps growing until training blows up; the twin caps it at
+# `lr_cap` and sees the same batches. The article's monitor (with `alert_factor` as its 3x) and the
+# tracer watch both. The loss "shows it" at the first step where its 10-step average is more than
+# twice the lowest 10-step average so far. An alert counts as a warning only if the healthy twin did
+# not raise it as well: an alarm that a healthy run also raises tells you nothing about the fault.
+# Whether a std crosses 3x its baseline can hinge on the last digits (the first alert below clears
+# its threshold by 0.1 %), and a GPU rounds differently, so nbval ignores the outputs of this run;
+# the papermill tests check its verdict.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 def warmup_lr(step, capped):
     rate = lr * lr_growth**step
     return min(rate, lr_cap) if capped else rate
@@ -338,7 +367,8 @@ def run_with_monitors(capped, label):
     model = on_device(nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
                                  nn.Linear(width, 10)))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    monitor, batches, losses = NumpyMonitor(rng_seed=seed), torch.Generator().manual_seed(seed), []
+    monitor = ArticleMonitor(log_interval=log_interval, factor=alert_factor, rng_seed=seed)
+    batches, losses = torch.Generator().manual_seed(seed), []
     with GradTracer(model, optimizer, update_ratio=True, full_every=0) as tracer:
         for step in track(range(steps), label, updates=2):
             for group in optimizer.param_groups:
@@ -366,31 +396,59 @@ def loss_alarm(losses, factor=2.0, window=10):
 
 
 losses, run_tracer, monitor = run_with_monitors(capped=not bug, label=f"warm-up run (bug={bug})")
+twin_losses, twin_tracer, twin_monitor = run_with_monitors(capped=True, label="capped twin")
 exploding = run_tracer.alerts("exploding")
 tracer_step = exploding[0].step if exploding else None
-monitor_step = monitor.alerts[0][0] if monitor.alerts else None
 loss_step = loss_alarm(losses)
+twin_alerts = {(step, name) for step, name, _ in twin_monitor.alerts}
+# the monitor's warnings: its alerts before the loss signal that the healthy twin did not raise too
+before_loss = [a for a in monitor.alerts if loss_step is None or a[0] < loss_step]
+warnings = [a for a in before_loss if (a[0], a[1]) not in twin_alerts]
+shared = len(before_loss) - len(warnings)
+first_alert = monitor.alerts[0] if monitor.alerts else None
+first_warning = warnings[0] if warnings else None
 diverged = not statistics.fmean(losses[-10:]) < 10 * min(losses)  # written so that a NaN loss counts too
 print(f"bug={bug}: loss {losses[0]:.3f} -> lowest {min(losses):.3f}; diverged (last 10 losses average over "
-      f"10x the lowest): {diverged}")
-print(f"loss alarm at step {loss_step}; first tracer 'exploding' alert at step {tracer_step}; "
-      f"first monitor alert at step {monitor_step}")
+      f"10x the lowest): {diverged}; loss alarm at step {loss_step}")
+print(f"article monitor: {len(monitor.alerts)} alerts, first at {first_alert[:2] if first_alert else None}; "
+      f"{len(before_loss)} before the loss alarm, {shared} of them raised by the healthy twin too")
+print(f"healthy twin: loss alarm {loss_alarm(twin_losses)}, {len(twin_monitor.alerts)} monitor alerts, "
+      f"first at {twin_monitor.alerts[0][:2] if twin_monitor.alerts else None}")
+print(f"first warning the twin did not share: {first_warning[:2] if first_warning else None}; "
+      f"first tracer 'exploding' alert at step {tracer_step}")
 claims.metric("diverged", diverged)
 claims.metric("first_exploding_alert", "none" if tracer_step is None else tracer_step)
 
 # %% [markdown]
-# **Measure.** The gradient norm of every layer on a log scale, with the step where the loss alarm
-# went off (red) and the tracer's first alert (black); below it, the update:data ratio, which grows
-# with the learning rate from the first step on.
+# **Measure: the signal that fires first.** The full gradient std of the parameter behind the
+# monitor's first alert, every step, for the faulty run and its twin, with the monitor's threshold
+# (3x the mean of the last 5 logged stds). Red: the loss alarm; black: the first alert.
 
 # %%
-figure = plot_grad_stat(run_tracer, "norm")
-axis = figure.axes[0]
-for step, colour in ((loss_step, "red"), (tracer_step, "black")):
-    if step is not None:
-        axis.axvline(step, color=colour, linestyle="--")
-axis.set_title(f"gradient norm per step (bug={bug}); red: loss alarm, black: first tracer alert")
-plt.show()
+# NBVAL_IGNORE_OUTPUT
+if first_alert is not None:
+    alert_param = first_alert[1]
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    for run_monitor, label, style in ((monitor, f"bug={bug}", "-"), (twin_monitor, "capped twin", ":")):
+        checked = run_monitor.checked[alert_param]
+        axis.plot([s for s, _, _ in checked], [v for _, v, _ in checked], style, label=f"{label}: full std")
+        axis.plot([s for s, _, t in checked if t], [t for _, _, t in checked if t], style, alpha=0.5,
+                  label=f"{label}: threshold")
+    for step, colour in ((loss_step, "red"), (first_alert[0], "black")):
+        if step is not None:
+            axis.axvline(step, color=colour, linestyle="--")
+    axis.set_yscale("log")
+    axis.set_xlabel("step")
+    axis.set_title(f"{alert_param}: gradient std and the monitor's alert threshold")
+    axis.legend(fontsize=7)
+    plt.show()
+    step, name, std = first_alert
+    at_step = next(t for s, _, t in monitor.checked[name] if s == step)
+    twin_std = next(v for s, v, _ in twin_monitor.checked[name] if s == step)
+    print(f"first alert: step {step}, {name}, std {std:.3g} over the threshold {at_step:.3g}; the twin's std at "
+          f"that step {twin_std:.3g}, alert raised by the twin too: {(step, name) in twin_alerts}")
+else:
+    print("the monitor raised no alert in this run")
 figure = plot_grad_stat(run_tracer, "update_ratio", params=["0.weight", "4.weight"])
 figure.axes[0].set_title("update:data ratio per step")
 plt.show()
@@ -400,10 +458,11 @@ print(f"first layer update:data ratio: step 0 {ratios[0]:.1e}, at the loss alarm
 
 
 # %% [markdown]
-# **What the monitor misses.** Three gradient failures that a loss curve hides at first, fed to both
-# instruments on a fixed model without an optimizer (so nothing changes but the batch): an unused
-# layer (no gradient at all), a batch holding a NaN at step 6, and a batch of inputs 100x too large
-# at step 9.
+# **What the monitor misses.** Three gradient failures that a loss curve hides at first, fed to the
+# article's monitor and the tracer on a fixed model without an optimizer (so nothing changes but the
+# batch): an unused layer (no gradient at all), a batch holding a NaN at step 6, and a batch of
+# inputs 100x too large at step 9. The monitor logs every step here (`log_interval=1`), so that a
+# 12-step run has its 5 readings; its rule is unchanged.
 
 # %%
 class WithUnusedLayer(nn.Module):
@@ -418,7 +477,7 @@ class WithUnusedLayer(nn.Module):
 
 torch.manual_seed(seed)
 blind_model = on_device(WithUnusedLayer())
-blind_monitor = NumpyMonitor(rng_seed=seed)
+blind_monitor = ArticleMonitor(log_interval=1, rng_seed=seed)
 with GradTracer(blind_model) as blind_tracer:
     for step in range(12):
         x = x_train[64 * step: 64 * (step + 1)].clone()
@@ -433,16 +492,18 @@ with GradTracer(blind_model) as blind_tracer:
 tracer_kinds = {kind: sorted({a.step for a in blind_tracer.alerts(kind)}) for kind in ("missing", "nonfinite", "exploding")}
 print("tracer alerts, steps by kind:", {k: (v[:3] + ["..."] if len(v) > 3 else v) for k, v in tracer_kinds.items()})
 print("monitor alerts:", blind_monitor.alerts)
-print("monitor's last 5 std readings of body.0.weight before step 9:",
-      [round(r["std"], 5) for r in blind_monitor.readings["body.0.weight"][4:9]])
+print("monitor's last 5 logged stds of body.0.weight at step 9:",
+      [round(r["std"], 5) for r in blind_monitor.readings["body.0.weight"][5:10]])
 
 # %% [markdown]
 # The NaN step raised nothing (`NaN > 3 x mean` is false), and once a NaN entered the monitor's
-# history, the mean of its last 5 readings stayed NaN, so the 100x batch at step 9 went unseen too.
+# log, the mean of its last 5 readings stayed NaN, so the 100x batch at step 9 went unseen too.
 # The unused layer has no `.grad`, and the monitor skips it.
 #
-# **Sampling** hides a sparse spike. An embedding's gradient is mostly zero; if a handful of entries
-# spike, a 100,000-value sample of a 400,000-value tensor often contains none of them.
+# **Sampling** changes what the log says about a sparse spike. An embedding's gradient is mostly
+# zero; if a handful of entries spike, a 100,000-value sample of a 400,000-value tensor often
+# contains none of them. The alert itself reads the full std, so it is the log, not the alert, that
+# the sample blinds.
 
 # %%
 rows, dim, spiked_entries = 12_500, 32, 4
@@ -460,28 +521,31 @@ def embedding_backward(spike):
     (embedding(touched) * coefficients).sum().backward()
 
 
+embedding_monitor = ArticleMonitor(log_interval=1, rng_seed=seed)
 with GradTracer(embedding) as embedding_tracer:
     for step in range(6):
         embedding_backward(spike=step == 5)
+        embedding_monitor.observe(embedding, step)
         embedding_tracer.step()
     spike_grad = embedding.weight.grad.clone()
 baseline_std = statistics.mean(r["std"] for r in embedding_tracer.history() if r["step"] < 5)
 trials = 20
-sampled_misses = sum(float(NumpyMonitor(rng_seed=trial).values_of(spike_grad).std()) <= 3 * baseline_std
+sampled_misses = sum(float(ArticleMonitor(rng_seed=trial).values_of(spike_grad).std()) <= 3 * baseline_std
                      for trial in range(trials))
 sample_share = 100_000 / (rows * dim)
+spike_alerted = any(step == 5 for step, _, _ in embedding_monitor.alerts)
 print(f"full std jumps {spike_grad.std().item() / baseline_std:.0f}x; tracer alerts: "
-      f"{[a.kind for a in embedding_tracer.alerts()]}")
-print(f"the sampled std missed the 3x jump in {sampled_misses} of {trials} samples "
+      f"{[a.kind for a in embedding_tracer.alerts()]}; the monitor's full-std check alerted: {spike_alerted}")
+print(f"a logged (sampled) std missed the 3x jump in {sampled_misses} of {trials} samples "
       f"(chance that no spiked entry is sampled: {(1 - sample_share) ** spiked_entries:.0%})")
 
 # %% [markdown]
-# **Cost.** The monitor moves every gradient to the host and reduces it in NumPy; the tracer reduces
-# on the device and makes one transfer per step. `benchmarks/tracer_overhead.py` measured this on a
-# 4.8M-parameter MLP on the workbook's 2-core CPU machine (`benchmarks/results/tracer_overhead.md`):
-# a step with the default `GradTracer` took 1.02–1.05x a plain step, and with the NumPy monitor
-# 1.23–1.34x. On a GPU the monitor's copies also force a device-to-host synchronisation per tensor.
-# Timings depend on the machine, so nbval ignores this cell, a smaller version of that comparison:
+# **Cost.** The article's monitor reads every parameter's std to the host on every step (one
+# `.item()` each, a device synchronisation on a GPU) and, every `log_interval` steps, copies and
+# samples every gradient in NumPy; the tracer reduces on the device and makes one transfer per step.
+# Measured here on a 1.1M-parameter MLP: a plain step, a step with the monitor's per-step check, and
+# a step that also logs; the monitor's cost per step is the check step's, plus the logging step's
+# extra time spread over `log_interval` steps. Timings depend on the machine, so nbval ignores this cell.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -489,50 +553,74 @@ torch.manual_seed(seed)
 cost_model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)).to(dev)
 cost_optimizer = torch.optim.SGD(cost_model.parameters(), lr=1e-3)
 cost_x, cost_y = digits.x_train[:128], digits.y_train[:128]
-cost_monitor = NumpyMonitor()
+cost_monitor = ArticleMonitor(log_interval=log_interval, factor=alert_factor)
 
 
-def plain_step(observe=None):
+def one_step(observe=None, step=1):
     cost_optimizer.zero_grad()
     F.cross_entropy(cost_model(cost_x), cost_y).backward()
     if observe is not None:
-        observe(cost_model, 0)
+        observe(cost_model, step)
     cost_optimizer.step()
 
 
-plain = measure_time(plain_step, device=dev, min_run_time=timing_seconds)
+plain = measure_time(one_step, device=dev, min_run_time=timing_seconds)
 with GradTracer(cost_model, cost_optimizer):
-    traced = measure_time(plain_step, device=dev, min_run_time=timing_seconds)
-monitored = measure_time(lambda: plain_step(cost_monitor.observe), device=dev, min_run_time=timing_seconds)
-for label, timing in (("plain step", plain), ("with GradTracer", traced), ("with the NumPy monitor", monitored)):
-    print(f"{label:<23} {timing.median_s * 1e3:7.2f} ms  ({timing.median_s / plain.median_s:.2f}x plain)")
+    traced = measure_time(one_step, device=dev, min_run_time=timing_seconds)
+checking = measure_time(lambda: one_step(cost_monitor.observe, step=1), device=dev, min_run_time=timing_seconds)
+logging = measure_time(lambda: one_step(cost_monitor.observe, step=0), device=dev, min_run_time=timing_seconds)
+monitor_step_s = checking.median_s + (logging.median_s - checking.median_s) / log_interval
+monitor_cost, tracer_cost = monitor_step_s / plain.median_s, traced.median_s / plain.median_s
+for label, seconds in (("plain step", plain.median_s), ("with GradTracer", traced.median_s),
+                       ("monitor, checking step", checking.median_s), ("monitor, logging step", logging.median_s),
+                       (f"monitor, per step (1 in {log_interval} logs)", monitor_step_s)):
+    print(f"{label:<34} {seconds * 1e3:7.2f} ms  ({seconds / plain.median_s:.2f}x plain)")
+
+# %% [markdown]
+# **Verdict.** The claim holds if the monitor's first warning (an alert the healthy twin did not
+# raise) comes at least 200 steps before the loss alarm; it holds partly if a warning comes earlier
+# than the loss but by less; otherwise it does not hold. A run must leave room for such a lead: the
+# monitor cannot alert before its 5th reading, and the lead is only measurable when the loss alarm
+# comes at least 200 steps after that. The evidence carries the measured cost, so this cell's output
+# is a timing and is ignored by nbval.
 
 # %%
-lead_tracer = None if tracer_step is None or loss_step is None else loss_step - tracer_step
-lead_monitor = None if monitor_step is None or loss_step is None else loss_step - monitor_step
-leads = [lead for lead in (lead_tracer, lead_monitor) if lead is not None]
-early_enough = bool(leads) and max(leads) >= 200
+# NBVAL_IGNORE_OUTPUT
+first_possible = (monitor.window - 1) * log_interval
+lead = None if first_warning is None or loss_step is None else loss_step - first_warning[0]
+if loss_step is None or loss_step - first_possible < 200:
+    verdict = "untestable"
+elif lead is not None and lead >= 200:
+    verdict = "holds"
+elif lead is not None and lead > 0:
+    verdict = "partly"
+else:
+    verdict = "does-not-hold"
+claims.metric("l1_lead", "none" if lead is None else lead)
 claims.check(
     "L1",
-    verdict="holds" if early_enough else "does-not-hold",
+    verdict=verdict,
+    device_dependent=True,
     evidence=(
-        f"on a warm-up run whose learning rate grows {lr_growth:g}x per step, the loss alarm went off at step "
-        f"{loss_step}, the tracer's first exploding alert at {tracer_step} and the NumPy monitor's at {monitor_step} "
-        f"(leads {lead_tracer} and {lead_monitor} steps, not 200-500); on a NaN batch followed by a 100x batch the "
-        f"monitor raised {len(blind_monitor.alerts)} alerts where the tracer flagged steps {tracer_kinds['nonfinite']} "
-        f"(non-finite) and {tracer_kinds['exploding']} (exploding), it skipped an unused layer, and its sampled std "
-        f"missed a sparse {spiked_entries}-entry spike in {sampled_misses} of {trials} samples; its cost, from "
-        f"benchmarks/results/tracer_overhead.md: 1.23-1.34x a plain CPU step, against 1.02-1.05x for GradTracer"
+        f"on a {steps}-step warm-up run whose learning rate grows {lr_growth:g}x per step without a cap, the loss "
+        f"alarm went off at step {loss_step}; the article's monitor (log every {log_interval} steps, alert at "
+        f"{alert_factor:g}x) first alerted at step {first_alert[0] if first_alert else None}, but {shared} of its "
+        f"{len(before_loss)} alerts before the loss alarm were raised by the capped healthy twin too; its first "
+        f"alert the twin did not share came at step {first_warning[0] if first_warning else None} (lead "
+        f"{lead} steps, against the claimed 200-500); on a NaN batch followed by a 100x batch it raised "
+        f"{len(blind_monitor.alerts)} alerts where the tracer flagged steps {tracer_kinds['nonfinite']} (non-finite) "
+        f"and {tracer_kinds['exploding']} (exploding), and it skipped an unused layer; measured cost in this run: "
+        f"{monitor_cost:.2f}x a plain step, against {tracer_cost:.2f}x for GradTracer"
     ),
 )
 
 # %% [markdown]
-# **The fix, proven.** Cap the warm-up (`bug=False` in the parameters cell). Rerun with it:
+# **The fix, proven.** Cap the warm-up (`bug=False` in the parameters cell): the capped twin above
+# is that run.
 
 # %%
-capped_losses, capped_tracer, capped_monitor = run_with_monitors(capped=True, label="capped warm-up")
-print(f"capped warm-up: loss {capped_losses[0]:.3f} -> {capped_losses[-1]:.3f}; loss alarm: {loss_alarm(capped_losses)}; "
-      f"{len(capped_tracer.alerts('exploding'))} tracer 'exploding' alerts, {len(capped_monitor.alerts)} monitor alerts")
+print(f"capped warm-up: loss {twin_losses[0]:.3f} -> {twin_losses[-1]:.3f}; loss alarm: {loss_alarm(twin_losses)}; "
+      f"{len(twin_tracer.alerts('exploding'))} tracer 'exploding' alerts, {len(twin_monitor.alerts)} monitor alerts")
 
 # %% [markdown]
 # ## Case L3: can Dropout zero the bias gradient behind it?
@@ -906,9 +994,10 @@ claims.table()
 #   pass, after accumulation) and turns per-layer std, update:data ratios, saturation, dead units and
 #   missing gradients into alerts; `plot_grad_flow`, `plot_grad_stat` and `plot_grad_histograms`
 #   draw them.
-# - Gradient alerts did not warn hundreds of steps ahead of the loss on a run that blew up (L1); the
-#   update:data ratio showed the learning-rate fault from the first step. The NumPy-sampling monitor
-#   is blind to NaN, to missing gradients and to sparse spikes, and costs a host copy per tensor.
+# - L1: the article's monitor, run as its code is written, is judged on its first alert that a
+#   capped healthy twin did not raise too, against the loss alarm (the verdict cell prints the lead
+#   and the measured cost). Its rule is blind to NaN and to missing gradients; its sampled log can
+#   miss a sparse spike that the full-std alert catches.
 # - A bias gradient does not see the Dropout mask in front of its layer (L3); std 0 means a
 #   normalisation right after it or dead units.
 # - A detached skip shows as "no grad" in the flow plot, not as decoder gradients below 1e-6 (L4).

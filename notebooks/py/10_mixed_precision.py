@@ -25,7 +25,8 @@ from labkit.progress import track
 # `pretrain_steps` full-batch SGD steps train a digits MLP (`hidden` units per layer) into the late
 # phase of training, where gradients are small. `amp_steps` then continue it under real fp16
 # autocast; `bug=True` runs them without a loss scaler, `bug=False` with one. `scaler_steps` is the
-# length of the gradient stream that drives the `GradScaler` simulations of cases G2 and G4.
+# length of the gradient stream that drives the `GradScaler` simulations of cases G2 and G4;
+# `nan_burst_steps` is the length of the run of NaN gradients in case G6.
 
 # %% tags=["parameters"]
 seed = 0
@@ -34,6 +35,7 @@ hidden = 64
 pretrain_steps = 100
 amp_steps = 20
 scaler_steps = 2000
+nan_burst_steps = 200
 bug = True
 
 # %%
@@ -594,7 +596,8 @@ print("\nhand-written CE, inside vs outside:\n" + str(cpu_rows["hand-written CE"
 # fp16 tops out at 65504:
 
 # %%
-def first_steps_with_scaler(loss_fn_name, steps=3):
+def first_steps_with_scaler(loss_fn_name, backward_inside, steps=3):
+    """The scale after each of `steps` GradScaler steps, with backward inside or outside the autocast block."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     optimizer, scaler = torch.optim.SGD(model.parameters(), lr=0.1), GradScaler("cpu")
@@ -606,15 +609,23 @@ def first_steps_with_scaler(loss_fn_name, steps=3):
             logits = model(x)
             loss = (F.cross_entropy(logits, y) if loss_fn_name == "F.cross_entropy"
                     else (logits.logsumexp(1) - logits.gather(1, y[:, None]).squeeze(1)).mean())
-        scaler.scale(loss).backward()
+            if backward_inside:
+                scaler.scale(loss).backward()
+        if not backward_inside:
+            scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         scales.append(scaler.get_scale())
     return scales
 
 
-for name in ("F.cross_entropy", "hand-written CE"):
-    print(f"{name:<16} scale after each of 3 steps: {first_steps_with_scaler(name)}")
+first_scales = {(name, inside): first_steps_with_scaler(name, inside)
+                for name in ("F.cross_entropy", "hand-written CE") for inside in (True, False)}
+for (name, inside), scales in first_scales.items():
+    print(f"{name:<16} backward {'inside ' if inside else 'outside'} autocast: scale after each of 3 steps {scales}")
+first_step_skipped = {key: scales[0] < GradScaler("cpu").get_scale() for key, scales in first_scales.items()}
+scaled_dtype = str(GradScaler("cpu").scale(torch.ones((), dtype=torch.float16)).dtype).removeprefix("torch.")
+print(f"scaler.scale() of an fp16 loss returns {scaled_dtype}")
 
 # %% [markdown]
 # The same measurement with CUDA autocast, on the GPU runner (CUDA's autocast lists differ from the
@@ -628,24 +639,42 @@ if dev.type == "cuda":
 else:
     print("no CUDA device here: the CUDA autocast table runs on the GPU runner")
 
+# %% [markdown]
+# **Verdict, in two halves.** The rule ("backward must run outside autocast") holds if the
+# gradients differ between the two placements. The reason ("because autocast turns the loss to
+# fp16") holds for the losses whose dtype came out fp16; where it holds, it matters only if moving
+# backward out of the block changes what happens to that fp16 loss (its first scaled step). The
+# claim holds if both halves hold, partly if one does, and does not hold if neither does.
+
 # %%
 all_identical = all(report.all_exact for _, report in cpu_rows.values())
 loss_dtypes = {name: str(dtype).removeprefix("torch.") for name, (dtype, _) in cpu_rows.items()}
+fp16_losses = [name for name, dtype in loss_dtypes.items() if dtype == "float16"]
+placement_matters = any(first_step_skipped[(name, True)] != first_step_skipped[(name, False)]
+                        for name in ("F.cross_entropy", "hand-written CE"))
+rule_holds = not all_identical or placement_matters
+reason = "holds" if len(fp16_losses) == len(loss_dtypes) else "partly" if fp16_losses else "does-not-hold"
+halves = (("holds" if rule_holds else "does-not-hold"), reason)
 claims.check(
     "G3",
-    verdict="does-not-hold" if all_identical else "holds",
+    verdict=halves[0] if halves[0] == halves[1] else "partly",
     evidence=(
-        "under fp16 autocast the loss dtypes are " + ", ".join(f"{n} {d}" for n, d in loss_dtypes.items())
-        + f"; backward inside vs outside autocast gives bit-identical gradients for all three "
-        f"({all_identical}); scale() returns float32 even for an fp16 loss, whose first scaled step "
-        "overflows (65536 > 65504) and is skipped once"
+        f"the rule {halves[0]}: backward inside vs outside fp16 autocast gave bit-identical gradients for all "
+        f"{len(cpu_rows)} losses ({all_identical}), and the placement left the scaler's first step unchanged "
+        f"(changed: {placement_matters}); the reason {halves[1]}: the loss dtypes are "
+        + ", ".join(f"{n} {d}" for n, d in loss_dtypes.items())
+        + f", so autocast leaves an fp16 loss only where it is hand-written; that fp16 loss's first scaled step "
+        f"was skipped with backward inside ({first_step_skipped[('hand-written CE', True)]}) and outside "
+        f"({first_step_skipped[('hand-written CE', False)]}) autocast, and scale() returned {scaled_dtype}; "
+        f"running backward outside is PyTorch's documented style, which this measurement does not contradict"
     ),
 )
 
 # %% [markdown]
 # **The fix.** None is needed for correctness. Calling `backward` after leaving the `with` block is
-# the documented style because nothing is gained inside it. Prefer built-in losses under autocast;
-# a hand-written fp16 loss costs a skipped first step and rounds the loss to 11 bits.
+# the documented style, and nothing measured here is gained by calling it inside. Prefer built-in
+# losses under autocast: a hand-written fp16 loss costs a skipped first step, wherever its backward
+# runs, and rounds the loss to 11 bits.
 
 # %% [markdown]
 # ## Case G4: an infinite scale, a failing `unscale_` and `update(1.0)`
@@ -670,9 +699,14 @@ print("log2 of the scale after each step:", [math.log2(s) for s in near_limit])
 
 # %%
 inf_row = torch.tensor([[1.0, math.inf, 1.0]])
-scales, skipped, _, param = drive_scaler(GradScaler("cpu"), inf_row)
-print(f"no exception; step skipped: {skipped[0]}; parameter unchanged: {bool((param == 0).all())}; "
-      f"scale {scales[0]:g}")
+try:
+    scales, skipped, _, param = drive_scaler(GradScaler("cpu"), inf_row)
+    inf_unscale_error = None
+    print(f"no exception; step skipped: {skipped[0]}; parameter unchanged: {bool((param == 0).all())}; "
+          f"scale {scales[0]:g}")
+except (ValueError, RuntimeError) as error:
+    inf_unscale_error = f"{type(error).__name__}: {error}"
+    print("unscale_ raised", inf_unscale_error)
 
 
 # %% [markdown]
@@ -697,25 +731,71 @@ for setup in ("fp16 parameters", "unscale_ twice"):
     print(f"{setup:<16} -> {unscale_error(setup)}")
 
 # %% [markdown]
-# **Reproduce a collapse.** Scaling cures overflow, not a NaN that the model produces itself (a
-# `log(0)`, a division by zero). A stream of 10 clean steps, then 200 steps whose gradient is NaN,
-# then 40 clean steps again:
+# **The article's guard, as written.** Before each step it runs
+# `if scaler.get_scale() < 1e-3: scaler.update(1.0)`, else `scaler.step(optimizer); scaler.update()`.
+# Give it the failure it was written for, a scale that is already inf, and 20 clean steps:
+
+# %%
+inf_start = GradScaler("cpu", init_scale=math.inf)
+guard_scales, _, _, guard_param = drive_scaler(inf_start, stream[:20], rescue_below=1e-3, rescue_to=1.0)
+guard_fired = sum(scale < 1e-3 for scale in [math.inf, *guard_scales[:-1]])
+steps_taken = int((guard_param != 0).any())
+print(f"guard fired on {guard_fired} of 20 steps; scale after them: {guard_scales[-1]}; "
+      f"parameter ever moved: {bool(steps_taken)}")
+
+# %% [markdown]
+# `inf < 1e-3` is false, so the guard never fires; an inf scale turns every scaled gradient into
+# inf, every step is skipped, and backing off halves inf into inf again.
+
+# %%
+scale_became_inf = any(math.isinf(scale) for scale in near_limit)
+unscale_failed_on_inf = inf_unscale_error is not None
+guard_catches_inf = guard_fired > 0 and math.isfinite(guard_scales[-1])
+parts = {"scale grows to inf": scale_became_inf, "unscale_ fails on inf": unscale_failed_on_inf,
+         "the guard rescues an inf scale": guard_catches_inf}
+held = [name for name, ok in parts.items() if ok]
+claims.check(
+    "G4",
+    verdict="holds" if len(held) == len(parts) else "partly" if held else "does-not-hold",
+    evidence=(
+        f"{len(held)} of {len(parts)} parts held: growth never overflows (a scale of 2^126 with growth_factor 4 "
+        f"stays at 2^{math.log2(near_limit[-1]):.0f}); an inf gradient makes unscale_ skip the step "
+        f"(raised: {inf_unscale_error}; it raises for fp16 parameters or a second call); the guard as written, "
+        f"`get_scale() < 1e-3`, fired on {guard_fired} of 20 steps of a scaler whose scale was inf, which stayed "
+        f"{guard_scales[-1]} with no step taken"
+    ),
+)
+
+# %% [markdown]
+# ## Case G6: a NaN burst drives the scale to 0
+# The article did not describe this one; the workbook found it while testing G4. **The claim**, in
+# the catalogue's words:
+
+# %%
+print(claims.case("G6").claim)
+
+# %% [markdown]
+# **Reproduce.** Scaling cures overflow, not a NaN that the model produces itself (a `log(0)`, a
+# division by zero). A stream of 10 clean steps, then `nan_burst_steps` steps whose gradient is
+# NaN, then 40 clean steps again:
 
 # %%
 clean = stream[:50]
-burst = torch.cat([clean[:10], torch.full((200, STREAM_WIDTH), math.nan), clean[10:50]])
+burst = torch.cat([clean[:10], torch.full((nan_burst_steps, STREAM_WIDTH), math.nan), clean[10:50]])
 collapse_scales, collapse_skipped, _, collapse_param = drive_scaler(GradScaler("cpu"), burst)
-first_zero_step = next(step for step, scale in enumerate(collapse_scales) if scale == 0)
-print(f"the scale halves on every NaN step and reaches exactly 0 at step {first_zero_step}; "
-      f"after the burst it is {collapse_scales[-1]}")
-print(f"clean steps after the burst that were skipped: {sum(collapse_skipped[210:])}; "
+first_zero_step = next((step for step, scale in enumerate(collapse_scales) if scale == 0), None)
+after_burst = 10 + nan_burst_steps
+print(f"lowest scale {min(collapse_scales):.3g}, first exactly 0 at step {first_zero_step}; "
+      f"after the burst it is {collapse_scales[-1]:.3g}")
+print(f"clean steps after the burst that were skipped: {sum(collapse_skipped[after_burst:])} of 40; "
       f"parameter still finite: {bool(collapse_param.isfinite().all())}")
+claims.metric("g6_scale_reached_zero", first_zero_step is not None)
 
 # %% [markdown]
 # With a scale of 0 every scaled gradient is 0, which is finite, so the step is taken, and
-# unscaling multiplies by 1/0: the parameters turn NaN without a single skipped step. The scale
-# never becomes inf; it becomes 0. Now the same stream with the article's rescue, `update(1.0)`
-# instead of a step whenever the scale is below 1e-3:
+# unscaling multiplies by 1/0: the parameters turn NaN without a single skipped step. Now the same
+# stream with a floor: `update(1.0)` instead of a step whenever the scale is below 1e-3 (the
+# article's guard, which does catch a scale that falls to 0 rather than rising to inf):
 
 # %%
 rescue_scales, _, _, rescue_param = drive_scaler(GradScaler("cpu"), burst, rescue_below=1e-3, rescue_to=1.0)
@@ -730,22 +810,23 @@ print(f"doublings needed to get back to 65536: {math.log2(2.0**16 / left_scale):
       f"one per {GradScaler('cpu').get_growth_interval()} clean steps")
 
 # %% [markdown]
-# The rescue does keep the parameters finite. It also hides the alarm, and leaves a scale so low
-# that fp16 underflow is back, for tens of thousands of steps at the default growth interval.
+# Where the burst is long enough to reach 0, the floor keeps the parameters finite. It also hides
+# the alarm, and leaves a scale so low that fp16 underflow is back, for tens of thousands of steps
+# at the default growth interval.
 
 # %%
-scale_became_inf = any(math.isinf(scale) for scale in near_limit)
-rescue_works = bool(rescue_param.isfinite().all()) and not bool(collapse_param.isfinite().all())
+reached_zero = first_zero_step is not None
+clean_steps_taken = sum(collapse_skipped[after_burst:]) == 0
+turned_nan = not bool(collapse_param.isfinite().all())
 claims.check(
-    "G4",
-    verdict=("holds" if scale_became_inf and rescue_works else "partly" if rescue_works else "does-not-hold"),
+    "G6",
+    verdict="holds" if reached_zero and clean_steps_taken and turned_nan else "does-not-hold",
     evidence=(
-        f"growth never overflows (a scale of 2^126 with growth_factor 4 stays at 2^{math.log2(near_limit[-1]):.0f}); an "
-        f"inf gradient makes unscale_ skip the step without raising (it raises for fp16 parameters or a second call); a "
-        f"200-step NaN burst drives the scale to exactly 0 at step {first_zero_step}, after which clean steps turn the "
-        f"parameters NaN. update(1.0) below 1e-3 prevents that (parameter finite: {bool(rescue_param.isfinite().all())}) "
-        f"but leaves a scale of {left_scale:g} that loses {lost_at_left_scale:.1%} of entries, against "
-        f"{lost_at_default:.1%} at 65536"
+        f"a {nan_burst_steps}-step NaN burst took the scale from 65536 down to {min(collapse_scales):.3g} "
+        f"(exactly 0 at step {first_zero_step}); of the 40 clean steps after it {sum(collapse_skipped[after_burst:])} "
+        f"were skipped and the parameters ended finite: {not turned_nan}; with a floor (update(1.0) below 1e-3) "
+        f"they ended finite: {bool(rescue_param.isfinite().all())}, at a scale of {left_scale:g} that loses "
+        f"{lost_at_left_scale:.1%} of entries, against {lost_at_default:.1%} at 65536"
     ),
 )
 
@@ -753,7 +834,8 @@ claims.check(
 # %% [markdown]
 # **The fix.** A collapsing scale is an alarm, not the disease: log `scaler.get_scale()` and count
 # skipped steps, and find what produces the NaN. As a safety net, a floor under the scale keeps it
-# off 0 without touching clean steps; exercise 10.2 builds one.
+# off 0 without touching clean steps; exercise 10.2 builds one. Against an inf scale the guard
+# needs the other test too: `not math.isfinite(scale) or scale < 1e-3`.
 
 # %% [markdown]
 # ## Exercises
@@ -867,7 +949,9 @@ claims.table()
 #   harmless), and the setting that hurts when wrong is a low `init_scale` (G2). A `GradTracer`
 #   given the optimizer records each step the scaler skipped, with a `skipped_step` alert.
 # - Backward inside or outside autocast gives identical gradients; built-in losses come out in
-#   float32 under autocast (G3).
-# - The scale cannot grow to inf, and `unscale_` skips inf gradients; a long NaN burst drives the
-#   scale to 0, after which parameters turn NaN. `update(1.0)` prevents that but leaves fp16
-#   underflow behind; find what makes the NaN, and keep a floor under the scale only as a net (G4).
+#   float32 under autocast, a hand-written loss in fp16, whose first scaled step overflows wherever
+#   backward runs (G3: the rule and its reason graded apart).
+# - The scale cannot grow to inf, `unscale_` skips inf gradients, and the article's
+#   `get_scale() < 1e-3` guard never fires on an inf scale (G4). A long NaN burst drives the scale
+#   to 0, after which parameters turn NaN; a floor prevents that but leaves fp16 underflow behind
+#   (G6); find what makes the NaN, and keep a floor under the scale only as a net.

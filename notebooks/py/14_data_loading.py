@@ -476,7 +476,7 @@ claims.check(
     evidence=(
         f"with a generator the dataset owns, {own[0]:.0%} of {noisy_samples} samples shared their noise with "
         f"another sample and {own[1]:.0%} repeated last epoch's noise; NumPy's global state is already seeded "
-        f"per worker by torch 2.13 ({global_state[0]:.0%} and {global_state[1]:.0%}); the quoted fix "
+        f"per worker by the installed torch ({global_state[0]:.0%} and {global_state[1]:.0%}); the quoted fix "
         f"(np.random.seed in worker_init_fn) left {quoted_fix[0]:.0%} duplicated, and reseeding the dataset's "
         f"generator from get_worker_info().seed gave {real_fix[0]:.0%} and {real_fix[1]:.0%}"
     ),
@@ -524,7 +524,7 @@ claims.check(
              else "partly"),
     evidence=(
         f"collate() stacked 4 CPU samples into a batch that stayed on {cpu_batch_device.type} (it batches, it does "
-        f"not transfer); none of the {len(IterDataPipe.functions)} functional names of torch 2.13's IterDataPipe is "
+        f"not transfer); none of the {len(IterDataPipe.functions)} functional names of the installed torch's IterDataPipe is "
         "prefetch, and torchdata is not installed, so the GPU prefetch could not come from this stack"
     ),
 )
