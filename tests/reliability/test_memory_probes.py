@@ -396,3 +396,28 @@ def test_a_fraction_of_an_infinite_rate_is_a_clear_error():
 def test_a_reading_of_something_that_is_not_a_number_is_refused(value):
     with pytest.raises(LabkitError, match="a reading's value is a number"):
         Reading(value, "B", "measured")
+
+
+# -- LK: after every refusal above, nothing is left switched on -------------------------------------
+
+
+@pytest.mark.trial("extra")
+def test_refusals_midway_through_a_fake_or_real_step_leave_no_mode_filter_or_profiler_behind():
+    linear, model, no_formula, ints = nn.Linear(4, 2), mlp(), NoFormula(), torch.ones(3, 4, dtype=torch.long)
+    failing_calls = [
+        lambda: memory.estimate_step_peak(linear, ints),  # in the fake forward
+        lambda: memory.estimate_step_peak(model, X, loss_fn=lambda out: out),  # after the fake forward
+        lambda: memory.measure_step_peak(model, X, loss_fn=lambda out: out),  # after a real forward
+        lambda: memory.estimate_step_peak(model, X, optimizer=lambda params: None),  # inside the fake mode
+        lambda: memory.analytic_activation_bytes(no_formula, X),  # after the trace
+    ]
+    for inference in (False, True):
+        with torch.inference_mode(inference), torch.no_grad():
+            for call in failing_calls:
+                with pytest.raises(LabkitError) as error:
+                    call()
+                assert "inference_mode" not in str(error.value)
+                assert torch.is_inference_mode_enabled() is inference and not torch.is_grad_enabled()
+    fresh = torch.empty(2)
+    assert type(fresh) is torch.Tensor and fresh.untyped_storage().device.type == "cpu", "a fake mode was left on"
+    assert not FAKE_TENSOR_LOG.filters and not profiler_enabled()
