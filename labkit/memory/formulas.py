@@ -473,7 +473,8 @@ def _line_for(call: _Call, counted: set, excluded: set) -> ActivationLine | None
     if formula is None and next(call.module.children(), None) is not None:
         return None  # a container: its children have the lines
     items = formula(call) if formula is not None and call.needs_grad else []
-    if items is None or formula is None:
+    # a module none of whose outputs needs grad saves nothing, formula or not
+    if items is None or (formula is None and call.needs_grad):
         kind = type(call.module).__name__
         return ActivationLine(call.name, kind, f"no formula for {kind} here: compare with the exact count", 0,
                               has_formula=False)

@@ -421,3 +421,18 @@ def test_refusals_midway_through_a_fake_or_real_step_leave_no_mode_filter_or_pro
     fresh = torch.empty(2)
     assert type(fresh) is torch.Tensor and fresh.untyped_storage().device.type == "cpu", "a fake mode was left on"
     assert not FAKE_TENSOR_LOG.filters and not profiler_enabled()
+
+
+@pytest.mark.trial("extra")
+def test_a_frozen_module_without_formula_that_saves_nothing_is_counted_as_the_zero_it_is():
+    class FrozenThenTrained(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features, self.head = NoFormula().requires_grad_(False), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.head(self.features(x).unsqueeze(0))
+
+    model = FrozenThenTrained()
+    assert memory.activation_table(model, X).uncovered == ()
+    assert memory.analytic_activation_bytes(model, X) == memory.saved_bytes(model, X) == 3 * 4
