@@ -9,7 +9,10 @@ naming the entry and the installed torch version, instead of somewhere deep insi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ __all__ = [
     "aten_arguments",
     "aten_ops",
     "cpu_allocation",
+    "fake_tensor_failures_unlogged",
     "foreach_copy_",
     "foreach_norm",
     "foreach_sub",
@@ -90,6 +94,30 @@ FAKE_TENSOR_FAILURES: tuple[type[Exception], ...] = present(
     ("UnsupportedFakeTensorException", "DynamicOutputShapeException", "DataDependentOutputException",
      "UnsupportedOperatorException"),
 )
+_fake_tensor_log: logging.Logger = private("torch._subclasses.fake_tensor", "log")
+
+
+class _DropRaisedErrorRecords(logging.Filter):
+    """FakeTensorMode logs an error with its traceback (``log.exception``) and then raises it
+    (a meta kernel that fails, a TypeError in dispatch): the raise is enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None
+
+
+@contextlib.contextmanager
+def fake_tensor_failures_unlogged() -> Iterator[None]:
+    """Inside: a meta kernel that raises (bad shapes, say) raises only, without FakeTensorMode
+    first logging the error's whole traceback at ERROR level (a red 19-line block in a notebook).
+    The error itself still propagates; labkit turns it into a clear LabkitError."""
+    record_filter = _DropRaisedErrorRecords()
+    _fake_tensor_log.addFilter(record_filter)
+    try:
+        yield
+    finally:
+        _fake_tensor_log.removeFilter(record_filter)
+
+
 TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode")
 tree_flatten = private("torch.utils._pytree", "tree_flatten")
 tree_unflatten = private("torch.utils._pytree", "tree_unflatten")

@@ -61,6 +61,10 @@ _QUANTITY = {"GB/s": "bandwidth", "TB/s": "bandwidth", "GFLOP/s": "throughput", 
 _MIN_SAMPLES = 5  # fewer samples than this give no usable median or interquartile range
 _MAX_SAMPLES = 2000  # caps the CUDA-event pairs recorded for very short kernels
 _MIB = 2**20
+# The timer's bounds, so that a probe returns within a stated time: min_run_time up to a minute of
+# timing, and at most this many warmup calls.
+_MAX_RUN_TIME_S = 60.0
+_MAX_WARMUP = 1000
 # The probes time with CUDA events or the wall clock and read CUDA counters: MPS has neither here.
 # A CUDA device this machine lacks is still resolved, so a probe can answer "needs a CUDA device".
 _MEASURED_KINDS = ("cpu", "cuda")
@@ -463,14 +467,13 @@ def measure_time(fn: Callable[[], object], *, device=None, warmup: int = 2, min_
     On a GPU the calls are queued back to back between pairs of `torch.cuda.Event`, so the host
     never stalls the device; on a CPU, `torch.utils.benchmark.Timer.blocked_autorange` times blocks
     of calls with torch's own thread count. Either way at least 5 samples and about
-    ``min_run_time`` seconds are collected. Taught in `12_batch_size`.
+    ``min_run_time`` seconds are collected. It returns after about ``warmup`` calls plus
+    ``min_run_time`` or 5 calls, whichever is longer: ``min_run_time`` is at most 60 s and
+    ``warmup`` at most 1000 calls. Taught in `12_batch_size`.
     """
     if not callable(fn):
         raise LabkitError(f"measure_time needs a function to call, not {type(fn).__name__}: pass lambda: work()")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise LabkitError(f"warmup must be a whole number of calls ≥ 0, not {warmup!r}")
-    if not min_run_time > 0:
-        raise LabkitError(f"min_run_time must be a positive number of seconds, not {min_run_time!r}")
+    _check_timing(warmup, min_run_time)
     dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     if reason := _cuda_missing(dev):
         raise LabkitError(f"cannot time on {dev}: {reason}; use device='cpu'")
@@ -479,6 +482,24 @@ def measure_time(fn: Callable[[], object], *, device=None, warmup: int = 2, min_
     if dev.type == "cuda":
         return _time_with_events(fn, dev, min_run_time)
     return _time_with_wall_clock(fn, min_run_time)
+
+
+def _check_timing(warmup, min_run_time) -> None:
+    """The timer's arguments, checked before a probe allocates anything for it."""
+    if not _is_whole(warmup) or not 0 <= warmup <= _MAX_WARMUP:
+        raise LabkitError(f"warmup must be a whole number of calls from 0 to {_MAX_WARMUP}, not {warmup!r}")
+    if not _is_number(min_run_time) or not 0 < min_run_time <= _MAX_RUN_TIME_S:
+        raise LabkitError(f"min_run_time must be a positive number of seconds, at most {_MAX_RUN_TIME_S:g} "
+                          f"(so that the probe returns), not {min_run_time!r}")
+
+
+def _is_whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A real, finite number (not a bool, not a string, not nan or inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _time_with_events(fn, dev: torch.device, min_run_time: float) -> Timing:
@@ -526,9 +547,11 @@ def copy_bandwidth(device=None, *, size_mib: float | None = None, warmup: int = 
     """Memory bandwidth of a device-to-device copy, counting bytes read plus bytes written.
 
     The buffers default to several times the last-level cache (at least 2 GiB on a GPU, 64 MiB on
-    a CPU) so the copy measures memory, not cache. GB/s on a CPU, TB/s on a GPU. Taught in
-    `13_memory`; compare with `ceiling("copy")`.
+    a CPU) so the copy measures memory, not cache; ``size_mib`` sets one buffer's size, and both
+    must fit in the memory available now. GB/s on a CPU, TB/s on a GPU. Taught in `13_memory`;
+    compare with `ceiling("copy")`.
     """
+    _check_timing(warmup, min_run_time)
     dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     unit = _rate_unit("copy", dev)
     if reason := _cuda_missing(dev):
@@ -549,14 +572,15 @@ def matmul_throughput(dtype="bf16", device=None, *, n: int | None = None, warmup
 
     ``dtype`` is one of `MATMUL_PRECISIONS` ("fp32", "tf32", "bf16", "fp16") or torch.float32 /
     bfloat16 / float16. fp32 runs with TF32 off and tf32 with it on, whatever the notebook set.
-    GFLOP/s on a CPU, TFLOP/s on a GPU.
+    GFLOP/s on a CPU, TFLOP/s on a GPU. The three n×n matrices must fit in the memory available now.
     """
+    _check_timing(warmup, min_run_time)
     precision = _precision(dtype)
     dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
     unit = _rate_unit(precision, dev)
     if reason := _cuda_missing(dev) or _unsupported(precision, dev):
         return Reading.unavailable(unit, reason)
-    n = _default_n(precision, dev) if n is None else _check_n(n)
+    n = _default_n(precision, dev) if n is None else _check_n(n, _DTYPES[precision], dev)
     threads = _check_threads(dev)
     a, b = (torch.randn(n, n, device=dev, dtype=_DTYPES[precision]) for _ in range(2))
     out = torch.empty_like(a)
@@ -602,6 +626,12 @@ def fraction_of_ceiling(achieved: Reading, ceiling_reading: Reading) -> Reading:
     if None in quantities or len(quantities) > 1:
         raise LabkitError(f"cannot compare {achieved.unit} with {ceiling_reading.unit}: "
                           "compare bandwidth with bandwidth (GB/s, TB/s) or FLOP/s with FLOP/s")
+    if not (_is_number(achieved.value) and achieved.value >= 0):
+        raise LabkitError(f"the achieved {achieved.unit} reading is {achieved.value!r}: a rate is a finite number ≥ 0")
+    if not (_is_number(ceiling_reading.value) and ceiling_reading.value > 0):
+        raise LabkitError(f"the ceiling reads {ceiling_reading.value!r} {ceiling_reading.unit}, and no fraction of "
+                          "that can be taken: a ceiling is a finite rate above 0; pass ceiling('copy') or a datasheet "
+                          "value")
     ratio = float(achieved) * _SCALE[achieved.unit] / (float(ceiling_reading) * _SCALE[ceiling_reading.unit])
     return Reading(100 * ratio, "%", "estimated",
                    source=f"{achieved.provenance} {achieved.value:.4g} {achieved.unit} / "
@@ -674,17 +704,35 @@ def _default_n(precision: str, dev: torch.device) -> int:
     return 256 if precision == "fp16" else 1024
 
 
-def _check_n(n) -> int:
-    if not isinstance(n, int) or n < 1:
+def _check_n(n, dtype: torch.dtype, dev: torch.device) -> int:
+    if not _is_whole(n) or n < 1:
         raise LabkitError(f"n must be a positive whole matrix size, not {n!r}")
+    needed, available = 3 * n * n * dtype.itemsize, _available_bytes(dev)
+    if needed > available:
+        largest = math.isqrt(available // (3 * dtype.itemsize))
+        raise LabkitError(f"n={n} needs three {n}×{n} matrices, {needed / _MIB:,.0f} MiB, and {dev} has "
+                          f"{available / _MIB:,.0f} MiB available now: pass n of at most {largest}")
     return n
+
+
+def _available_bytes(dev: torch.device) -> int:
+    """Memory a probe's buffers can take on the device now."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    return psutil.virtual_memory().available
 
 
 def _copy_bytes(dev: torch.device, size_mib) -> int:
     if size_mib is not None:
-        if not size_mib > 0:
-            raise LabkitError(f"size_mib must be a positive number of MiB, not {size_mib!r}")
-        return max(4, int(size_mib * _MIB)) // 4 * 4
+        if not _is_number(size_mib) or not size_mib > 0:
+            raise LabkitError(f"size_mib must be a positive, finite number of MiB, not {size_mib!r}")
+        nbytes = max(4, int(size_mib * _MIB)) // 4 * 4
+        available = _available_bytes(dev)
+        if 2 * nbytes > available:
+            raise LabkitError(f"size_mib={size_mib!r} needs two buffers of {nbytes / _MIB:,.0f} MiB, and {dev} has "
+                              f"{available / _MIB:,.0f} MiB available now: pass size_mib of at most "
+                              f"{available // 2 // _MIB:,}")
+        return nbytes
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         cache = torch.cuda.get_device_properties(dev).L2_cache_size
@@ -725,6 +773,9 @@ class UtilisationSampler:
         with UtilisationSampler() as sampler:
             train_a_few_steps()
         print(sampler.mean())
+
+    One sampler can be used for several with-blocks, one after another: each block starts afresh,
+    and ``mean()`` covers the last one.
     """
 
     def __init__(self, device=None, *, interval_s: float = 0.1):
@@ -734,15 +785,23 @@ class UtilisationSampler:
         self._samples: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._inside = False
         self._finished = False
         dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
-        self._reader, self._reason = _utilisation_reader(dev)
+        self._reader, self._unreadable = _utilisation_reader(dev)
+        self._reason = self._unreadable
 
     @property
     def samples(self) -> tuple[float, ...]:
         return tuple(self._samples)
 
     def __enter__(self) -> UtilisationSampler:
+        if self._inside:
+            raise LabkitError("this UtilisationSampler is already sampling a with-block: use one sampler per "
+                              "block at a time (a second UtilisationSampler for a nested block)")
+        # a fresh block: nothing kept from the last one (its stop signal included)
+        self._inside, self._finished = True, False
+        self._samples, self._stop, self._reason = [], threading.Event(), self._unreadable
         # The first reading is dropped: psutil's first cpu_percent only sets its baseline.
         if self._reader is not None and self._sample():
             self._samples.clear()
@@ -754,8 +813,9 @@ class UtilisationSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
             self._sample()  # covers the stretch since the last tick
-        self._finished = True
+        self._inside, self._finished = False, True
 
     def mean(self) -> Reading:
         """Mean utilisation over the with-block, in percent."""

@@ -10,6 +10,7 @@ unavailable value has no number and says why. Used in `13_memory` and by
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from labkit.errors import LabkitError
@@ -60,6 +61,9 @@ class Reading:
             raise LabkitError(
                 f"a {self.provenance} reading needs a number; use Reading.unavailable(unit, reason)"
             )
+        elif not isinstance(self.value, numbers.Real) or isinstance(self.value, bool):
+            raise LabkitError(f"a reading's value is a number, not {type(self.value).__name__} {self.value!r}: "
+                              "pass int(...) or float(...) of it")
 
     @classmethod
     def unavailable(cls, unit: str, reason: str) -> Reading:

@@ -2,6 +2,7 @@
 
 A failure here names the entry and the torch version: that is where an upgrade broke labkit."""
 
+import logging
 import re
 from pathlib import Path
 
@@ -49,6 +50,23 @@ def test_fake_tensor_failures_are_what_a_fake_run_raises_for_a_data_dependent_op
         except Exception as error:
             pytest.fail(f"{_broke('FAKE_TENSOR_FAILURES')}: a fake nonzero raised {type(error).__name__}")
     pytest.fail(f"{_broke('FAKE_TENSOR_FAILURES')}: a fake nonzero raised nothing")
+
+
+def test_fake_tensor_failures_unlogged_drops_the_logged_traceback_and_keeps_the_error(caplog):
+    def failing_fake_matmul():
+        with compat.FakeTensorMode():
+            torch.mm(torch.empty(3, 5), torch.empty(4, 8))  # a meta kernel that raises
+
+    with caplog.at_level(logging.DEBUG, logger="torch._subclasses.fake_tensor"):
+        with pytest.raises(RuntimeError):
+            failing_fake_matmul()
+        assert any(record.exc_info for record in caplog.records), _broke(
+            "fake_tensor_failures_unlogged (FakeTensorMode no longer logs through torch._subclasses.fake_tensor.log)")
+        caplog.clear()
+        with compat.fake_tensor_failures_unlogged(), pytest.raises(RuntimeError, match="3, 5"):
+            failing_fake_matmul()
+        assert not [record for record in caplog.records if record.exc_info], _broke("fake_tensor_failures_unlogged")
+    assert not logging.getLogger("torch._subclasses.fake_tensor").filters, "the filter outlived its block"
 
 
 def test_a_missing_version_probe_name_is_left_out_and_a_missing_module_is_a_clear_error():

@@ -7,12 +7,14 @@ re-exported there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from labkit._torch_compat import tree_flatten
 from labkit.devices import resolve_device
@@ -68,6 +70,43 @@ def _check_model(model) -> None:
             f"expected a torch.nn.Module, got {type(model).__name__}: pass the model itself, "
             "for example saved_bytes(model, x)"
         )
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if isinstance(tensor, (UninitializedParameter, UninitializedBuffer)):
+            raise LabkitError(
+                f"{type(model).__name__}.{name} is an uninitialised lazy parameter (a Lazy* module that "
+                "has not run yet), so it has no shape to count: call the model once on a real input "
+                "first, then measure it"
+            )
+        if tensor.is_inference():
+            raise LabkitError(
+                f"{type(model).__name__}.{name} was created under torch.inference_mode(), and autograd "
+                "cannot train or save such tensors: build the model outside inference mode"
+            )
+
+
+def _check_inputs(inputs: Sequence) -> None:
+    for tensor in _tensors(inputs):
+        if tensor.is_inference():
+            raise LabkitError(
+                f"an input {_describe([tensor])} was created under torch.inference_mode(), and autograd "
+                "cannot save it for backward: create it outside inference mode (or pass x.clone() made "
+                "inside `with torch.inference_mode(False):`)"
+            )
+
+
+def _with_autograd(function: Callable) -> Callable:
+    """Run a memory method with autograd recording, whatever mode its caller is in.
+
+    Under ``torch.no_grad()`` ``torch.enable_grad()`` is enough, but ``torch.inference_mode()`` is
+    not lifted by it: autograd would record nothing, and every count would be 0. Nested
+    ``torch.inference_mode(False)`` lifts it, so the count is the same as outside."""
+
+    @functools.wraps(function)
+    def with_autograd(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return function(*args, **kwargs)
+
+    return with_autograd
 
 
 def _describe(inputs: Sequence) -> str:
@@ -135,7 +174,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _check_optimizer_name(optimizer: str) -> None:
-    if optimizer not in OPTIMIZERS:
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
         raise LabkitError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
 
 
@@ -160,8 +199,14 @@ def _optimizer_factory(model: nn.Module, optimizer, device: torch.device) -> Cal
     if not any(p.requires_grad for p in model.parameters()):
         raise LabkitError(f"{type(model).__name__} has no trainable parameters, so a training step has "
                           "nothing to update: use saved_tensors for the forward's activations instead")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise LabkitError(
+            f"optimizer is a {type(optimizer).__name__} instance; the step runs on a copy of the model, so "
+            f"pass a name ({', '.join(OPTIMIZERS)}) or a factory that builds it on the parameters it is "
+            f"given, e.g. optimizer=lambda params: torch.optim.{type(optimizer).__name__}(params, lr=1e-3)"
+        )
     if callable(optimizer):
-        return optimizer
+        return functools.partial(_built_optimizer, optimizer)
     _check_optimizer_name(optimizer)
     # torch's own default (foreach on CUDA, a loop on CPU), stated: on fake tensors torch would
     # always pick the loop, whose temporaries differ from the foreach kernels'.
@@ -174,6 +219,38 @@ def _optimizer_factory(model: nn.Module, optimizer, device: torch.device) -> Cal
     }[optimizer]
 
 
+def _built_optimizer(factory: Callable, params) -> torch.optim.Optimizer:
+    """The optimizer a user's factory builds on ``params``, checked before any step runs."""
+    params = list(params)
+    built = factory(params)
+    if not isinstance(built, torch.optim.Optimizer):
+        raise LabkitError(
+            f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer: return "
+            "the optimizer built on the parameters it is given, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
+    given = {id(p) for p in params}
+    foreign = sum(id(p) not in given for group in built.param_groups for p in group["params"])
+    if foreign:
+        raise LabkitError(
+            f"the optimizer factory built an optimizer holding {foreign} parameter(s) it was not given (another "
+            "model's?): build it on the parameters passed in, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
+    return built
+
+
+def _checked_loss(loss) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise LabkitError(f"loss_fn returned {type(loss).__name__}, not a tensor: return a scalar tensor "
+                          "computed from the model's output, e.g. loss_fn=lambda out: out.sum()")
+    if loss.numel() != 1:
+        raise LabkitError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, and backward needs one "
+                          "number: reduce it, e.g. loss_fn=lambda out: out.sum() or F.mse_loss(out, target)")
+    if not loss.requires_grad:
+        raise LabkitError("the loss does not depend on any trainable parameter (it has no grad_fn), so backward "
+                          "has nothing to do: compute it from the model's output, e.g. loss_fn=lambda out: out.sum()")
+    return loss
+
+
 def _sum_first_output(output) -> torch.Tensor:
     tensors = _tensors(output)
     if not tensors:
@@ -183,7 +260,7 @@ def _sum_first_output(output) -> torch.Tensor:
 
 def _train_step(model, optimizer, inputs, loss_fn, phase=lambda name: None) -> None:
     phase("forward")
-    loss = (loss_fn or _sum_first_output)(_forward(model, inputs))
+    loss = _checked_loss((loss_fn or _sum_first_output)(_forward(model, inputs)))
     phase("backward")
     loss.backward()
     phase("optimizer")

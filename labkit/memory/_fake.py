@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from labkit._torch_compat import FAKE_TENSOR_FAILURES, FakeTensorMode, TorchDispatchMode, tree_map_only
+from labkit._torch_compat import (
+    FAKE_TENSOR_FAILURES,
+    FakeTensorMode,
+    TorchDispatchMode,
+    aten_ops,
+    fake_tensor_failures_unlogged,
+    tree_map_only,
+)
 from labkit.errors import LabkitError
 from labkit.memory._common import _device_of, _forward, _module_names, _storage_key, _tensors
 
@@ -55,6 +62,34 @@ def _fake_copy(model: nn.Module, inputs: Sequence, mode: FakeTensorMode, dtype=N
         ) from error
     fake_inputs = tree_map_only(torch.Tensor, fake, list(inputs))
     return fake_model, fake_inputs
+
+
+# Matrix products whose real kernels refuse operands of different dtypes ("mat1 and mat2 must have
+# the same dtype") while their fake (meta) kernels of this torch accept them and answer with a
+# shape: an int64 input to a Linear would get a full estimate for a step that cannot run.
+_ONE_DTYPE_OPS = aten_ops(("mm", "addmm", "mv", "addmv", "addbmm", "bmm", "baddbmm", "dot"))
+
+
+class _RealKernelDtypeChecks(TorchDispatchMode):
+    """Raises, on fake tensors, the dtype error the real matrix-product kernel would raise."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ONE_DTYPE_OPS:
+            dtypes = list(dict.fromkeys(t.dtype for t in _tensors((args, kwargs))))
+            if len(dtypes) > 1:
+                names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
+                raise RuntimeError(f"{func.name().removeprefix('aten::')} needs all its tensors in one dtype, "
+                                   f"but got {names} (the real kernel refuses this)")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _fake_run(mode: FakeTensorMode) -> Iterator[None]:
+    """Inside: ops run on fake tensors, with the checks the real kernels make and the fake ones
+    skip, and without the tracebacks FakeTensorMode logs before it raises."""
+    with fake_tensor_failures_unlogged(), mode, _RealKernelDtypeChecks():
+        yield
 
 
 def _fake_forward(model: nn.Module, inputs: Sequence):
@@ -141,7 +176,7 @@ def _trace(model: nn.Module, inputs: Sequence, precision: str, device) -> tuple[
     fake_model, fake_inputs = _fake_copy(model, inputs, mode, dtype, device)
     state = [*fake_model.parameters(), *fake_model.buffers(), *_tensors(fake_inputs)]
     recorder = _CallRecorder(fake_model)
-    with mode, torch.enable_grad(), _autocast_for(precision, device or _device_of(model, inputs)):
+    with _fake_run(mode), _autocast_for(precision, device or _device_of(model, inputs)):
         with recorder.recording():
             _fake_forward(fake_model, fake_inputs)
     return recorder.calls, {_storage_key(t) for t in state}

@@ -25,6 +25,7 @@ from labkit.errors import LabkitError
 from labkit.memory._common import (
     _allocated_nbytes,
     _as_inputs,
+    _check_inputs,
     _check_model,
     _device_of,
     _optimizer_factory,
@@ -33,8 +34,9 @@ from labkit.memory._common import (
     _tensors,
     _train_step,
     _unique_bytes,
+    _with_autograd,
 )
-from labkit.memory._fake import _fake_copy
+from labkit.memory._fake import _fake_copy, _fake_run
 from labkit.memory.formulas import onednn_lstm_workspace_bytes
 from labkit.memory.report import MemoryReport
 from labkit.memory.workspace import _measure_workspaces, _WorkspaceRecorder, _WorkspaceReporter
@@ -182,6 +184,7 @@ def _peak_with_timeline(model, optimizer, inputs, loss_fn, device, workspaces) -
     return timeline.peak_breakdown()
 
 
+@_with_autograd
 def estimate_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None, device=None,
                        kernel_workspace: str = "auto") -> MemoryReport:
     """The steady-state peak bytes of one training step, without running the step on real tensors.
@@ -204,17 +207,18 @@ def estimate_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None
     """
     _check_model(model)
     inputs = _as_inputs(inputs)
+    _check_inputs(inputs)
     device = _optional_device(device) or _device_of(model, inputs)
     make_optimizer = _optimizer_factory(model, optimizer, device)
     mode = FakeTensorMode()
     fake_model, fake_inputs = _fake_copy(model, inputs, mode, device=device)
     recorder = _WorkspaceRecorder()
-    with mode, _OneDnnWorkspaceOnFake(), torch.enable_grad(), recorder:
+    with _fake_run(mode), _OneDnnWorkspaceOnFake(), recorder:
         fake_optimizer = make_optimizer(fake_model.parameters())
         _guarded_fake_step(fake_model, fake_optimizer, fake_inputs, loss_fn)
     workspaces, workspace_note = _measure_workspaces(recorder, kernel_workspace, model, device)
     tracker_class = mem_tracker_class()
-    with mode, _OneDnnWorkspaceOnFake(), torch.enable_grad():
+    with _fake_run(mode), _OneDnnWorkspaceOnFake():
         step = (fake_model, fake_optimizer, fake_inputs, loss_fn, device, workspaces)
         if tracker_class is not None:
             breakdown = _peak_with_mem_tracker(tracker_class, *step)

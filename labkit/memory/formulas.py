@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.errors import LabkitError
 from labkit.memory._common import (
+    _check_inputs,
     _check_model,
     _check_optimizer_name,
     _check_precision,
@@ -25,6 +27,7 @@ from labkit.memory._common import (
     _storage_key,
     _storage_nbytes,
     _tensors,
+    _with_autograd,
 )
 from labkit.memory._fake import _Call, _trace
 from labkit.memory.report import MemoryReport
@@ -393,6 +396,8 @@ class ActivationLine:
     saves: str
     bytes: int
     exact: int | None = None
+    # False: no formula covers this module, so its bytes are unknown (the 0 is not a count)
+    has_formula: bool = True
 
 
 @dataclass(frozen=True)
@@ -402,6 +407,10 @@ class ActivationTable:
     A tensor two layers need (a ReLU's output that the next Linear also saves) is counted on the
     first line only, as autograd stores it once. ``against(saved_tensors(...))`` fills in the exact
     count per module so the two can be read side by side.
+
+    ``total`` sums the lines that have a formula; ``uncovered`` names the modules that have none
+    (their bytes are unknown, not 0), and ``int(table)`` refuses to pass such a sum off as the
+    model's activations.
     """
 
     lines: tuple[ActivationLine, ...]
@@ -411,7 +420,18 @@ class ActivationTable:
     def total(self) -> int:
         return sum(line.bytes for line in self.lines)
 
+    @property
+    def uncovered(self) -> tuple[str, ...]:
+        """The modules no formula covers, as ``name (Layer)``: what they save is not counted."""
+        return tuple(f"{line.module} ({line.layer})" for line in self.lines if not line.has_formula)
+
     def __int__(self) -> int:
+        if self.uncovered:
+            raise LabkitError(
+                f"no formula covers {', '.join(self.uncovered)}: what it saves is unknown, not 0, so the "
+                f"analytic total ({self.total:,} B for the other layers) is not the model's; print "
+                "activation_table(model, x) to see the lines, or use saved_bytes(model, x) for the exact count"
+            )
         return self.total
 
     def against(self, exact: SavedTensors) -> ActivationTable:
@@ -429,6 +449,8 @@ class ActivationTable:
                             f"{line.exact:,}" if line.exact is not None else "", line.saves)
                  for line in self.lines]
         rows.append(_table_row("total (bytes)", "", f"{self.total:,}", self._exact_total(), self._difference()))
+        if self.uncovered:
+            rows.append(f"  not counted (no formula): {', '.join(self.uncovered)}")
         return "\n".join(rows)
 
     def _exact_total(self) -> str:
@@ -451,9 +473,11 @@ def _line_for(call: _Call, counted: set, excluded: set) -> ActivationLine | None
     if formula is None and next(call.module.children(), None) is not None:
         return None  # a container: its children have the lines
     items = formula(call) if formula is not None and call.needs_grad else []
-    if items is None or formula is None:
+    # a module none of whose outputs needs grad saves nothing, formula or not
+    if items is None or (formula is None and call.needs_grad):
         kind = type(call.module).__name__
-        return ActivationLine(call.name, kind, f"no formula for {kind} here: compare with the exact count", 0)
+        return ActivationLine(call.name, kind, f"no formula for {kind} here: compare with the exact count", 0,
+                              has_formula=False)
     texts, nbytes = [], 0
     for item in dict.fromkeys(items):
         if _is_model_state(item, excluded):
@@ -477,11 +501,13 @@ def _merge_by_module(lines: list[ActivationLine]) -> tuple[ActivationLine, ...]:
     for line in lines:
         if line.module in merged:
             first = merged[line.module]
-            line = replace(first, saves=f"{first.saves} | {line.saves}", bytes=first.bytes + line.bytes)
+            line = replace(first, saves=f"{first.saves} | {line.saves}", bytes=first.bytes + line.bytes,
+                           has_formula=first.has_formula and line.has_formula)
         merged[line.module] = line
     return tuple(merged.values())
 
 
+@_with_autograd
 def activation_table(model: nn.Module, *inputs, precision: str = "fp32", device=None) -> ActivationTable:
     """Per-layer formulas for the bytes autograd saves in one ``model(*inputs)``; nothing allocated.
 
@@ -495,6 +521,7 @@ def activation_table(model: nn.Module, *inputs, precision: str = "fp32", device=
     Taught in ``13_memory``.
     """
     _check_model(model)
+    _check_inputs(inputs)
     _check_precision(precision)
     calls, excluded = _trace(model, inputs, precision, _optional_device(device))
     counted: set = set()
@@ -505,9 +532,10 @@ def activation_table(model: nn.Module, *inputs, precision: str = "fp32", device=
 def analytic_activation_bytes(model: nn.Module, *inputs) -> int:
     """The formula-based count of activation bytes for one ``model(*inputs)``, as an int.
 
-    See :func:`activation_table` for the per-layer lines.
+    See :func:`activation_table` for the per-layer lines. A model with a layer no formula covers
+    gets a LabkitError naming it, not a sum that silently counts that layer as 0.
     """
-    return activation_table(model, *inputs).total
+    return int(activation_table(model, *inputs))
 
 
 # bytes per parameter for (weights, gradients, master copy, each optimizer slot)
@@ -563,10 +591,15 @@ class AnalyticMemory:
     activations: ActivationTable
 
     def report(self) -> MemoryReport:
-        activations = Reading(self.activations.total, "B", "estimated", source="per-layer formulas")
+        uncovered = self.activations.uncovered
+        source = "per-layer formulas" + (f"; not counted: {', '.join(uncovered)}" if uncovered else "")
+        activations = Reading(self.activations.total, "B", "estimated", source=source)
+        notes = ["sum of the parts, not the peak of a step: see estimate_step_peak"]
+        if uncovered:
+            notes.append(f"no formula covers {', '.join(uncovered)}: their activations are not counted, so the "
+                         "activations row is too low (saved_bytes gives the exact count)")
         return replace(self.state, title=self.state.title + " + activations",
-                       rows=(*self.state.rows, ("activations", activations)),
-                       notes=("sum of the parts, not the peak of a step: see estimate_step_peak",))
+                       rows=(*self.state.rows, ("activations", activations)), notes=tuple(notes))
 
     def __int__(self) -> int:
         return int(self.report())

@@ -9,8 +9,11 @@ import torch
 from torch import nn
 
 from labkit._torch_compat import cpu_allocation, profiler_enabled, profiler_event_tree
+from labkit.devices import resolve_device
+from labkit.errors import LabkitError
 from labkit.memory._common import (
     _as_inputs,
+    _check_inputs,
     _check_model,
     _device_of,
     _forward,
@@ -21,6 +24,7 @@ from labkit.memory._common import (
     _tensors,
     _train_step,
     _unique_bytes,
+    _with_autograd,
 )
 from labkit.memory.report import MemoryReport
 from labkit.readings import Reading
@@ -73,9 +77,13 @@ def peak_bytes_during(fn: Callable[[], object], device="cpu") -> Reading:
 
     On CPU from the profiler's allocation events (``profile_memory=True``); on CUDA from
     ``torch.cuda`` statistics (reset, run, read). Unavailable, with the reason, where there is
-    nothing to measure. Taught in ``13_memory``.
+    nothing to measure. Taught in ``13_memory``. ``fn`` runs in the caller's autograd mode (under
+    ``torch.no_grad()`` it measures an inference forward).
     """
-    device = torch.device(device)
+    if not callable(fn):
+        raise LabkitError(f"peak_bytes_during needs a function to call, not {type(fn).__name__}: "
+                          "pass lambda: model(x) (the work, not its result)")
+    device = resolve_device(device, kinds=("cpu", "cuda", "mps", "meta"), must_exist=False)
     reason = _no_allocator(device)
     if reason:
         return Reading.unavailable("B", reason)
@@ -99,6 +107,7 @@ def _cuda_peak_rise(fn, device) -> int:
     return torch.cuda.max_memory_allocated(device) - start
 
 
+@_with_autograd
 def live_bytes_after_forward(model: nn.Module, *inputs) -> Reading:
     """Bytes allocated during one ``model(*inputs)`` that are still allocated when it returns.
 
@@ -107,12 +116,13 @@ def live_bytes_after_forward(model: nn.Module, *inputs) -> Reading:
     the same number). Taught in ``13_memory``.
     """
     _check_model(model)
+    _check_inputs(inputs)
     device = _device_of(model, inputs)
     reason = _no_allocator(device)
     if reason:
         return Reading.unavailable("B", reason)
     kept: list = []
-    with _model_left_unchanged(model, include_parameters=False), torch.enable_grad():
+    with _model_left_unchanged(model, include_parameters=False):
         if device.type == "cuda":
             return _cuda_live_after(lambda: kept.append(_forward(model, inputs)), device)
         live: dict[int, int] = {}
@@ -144,6 +154,7 @@ def _state_rows(model, optimizer, inputs, device) -> list[tuple[str, Reading]]:
             for label, tensors in groups]
 
 
+@_with_autograd
 def measure_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None) -> MemoryReport:
     """The measured steady-state peak of one training step: the counterpart of
     :func:`estimate_step_peak`, on the model's device.
@@ -155,12 +166,13 @@ def measure_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None)
     """
     _check_model(model)
     inputs = _as_inputs(inputs)
+    _check_inputs(inputs)
     device = _device_of(model, inputs)
     make_optimizer = _optimizer_factory(model, optimizer, device)
     reason = _no_allocator(device)
     if reason:
         return MemoryReport("Step peak (measured)", (("step 2 peak", Reading.unavailable("B", reason)),))
-    with _model_left_unchanged(model, include_parameters=True), torch.enable_grad():
+    with _model_left_unchanged(model, include_parameters=True):
         real_optimizer = make_optimizer(model.parameters())
         _train_step(model, real_optimizer, inputs, loss_fn)
         rows = _state_rows(model, real_optimizer, inputs, device)

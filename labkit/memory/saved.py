@@ -15,6 +15,7 @@ from labkit._torch_compat import raw_saved_tensors
 from labkit.memory._common import (
     _OUTSIDE,
     _ROOT,
+    _check_inputs,
     _check_model,
     _forward,
     _model_left_unchanged,
@@ -22,6 +23,7 @@ from labkit.memory._common import (
     _storage_key,
     _storage_nbytes,
     _tensors,
+    _with_autograd,
 )
 from labkit.memory.report import MemoryReport
 from labkit.readings import Reading
@@ -164,18 +166,21 @@ def _new_graph_nodes(outputs: list[torch.Tensor], stop: set, seen: set) -> list:
     return found
 
 
+@_with_autograd
 def saved_tensors(model: nn.Module, *inputs) -> SavedTensors:
     """Run ``model(*inputs)`` once and count, exactly, the bytes autograd saves for backward.
 
     Each storage is counted once (a tensor saved by two layers, or two views of one tensor, cost
     memory once), parameters, buffers and the inputs are left out, and every byte is attributed
     to the module that saved it first. The model's train/eval mode is used as is; gradient mode is
-    switched on; buffers (BatchNorm statistics) and the RNG are restored afterwards. Works on the
-    meta device too. Taught in ``13_memory``.
+    switched on (under ``torch.no_grad()`` and ``torch.inference_mode()`` too); buffers (BatchNorm
+    statistics) and the RNG are restored afterwards. Works on the meta device too. Taught in
+    ``13_memory``.
     """
     _check_model(model)
+    _check_inputs(inputs)
     counter = _SavedTensorCounter(model, inputs)
-    with _model_left_unchanged(model, include_parameters=False), torch.enable_grad():
+    with _model_left_unchanged(model, include_parameters=False):
         with counter.counting():
             output = _forward(model, inputs)
         return counter.result(output)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
 import torch
 from torch import nn
 
@@ -17,6 +18,7 @@ from labkit._torch_compat import TorchDispatchMode, aten_ops, tree_flatten, tree
 from labkit.errors import LabkitError
 from labkit.memory._common import _storage_key, _tensors, _unique_bytes
 from labkit.memory.measure import _allocations_under, _no_allocator, _profiled_events, peak_bytes_during
+from labkit.readings import format_bytes
 
 __all__ = ["KERNEL_WORKSPACE"]
 
@@ -28,6 +30,10 @@ _WORKSPACE_OPS = aten_ops(("convolution", "convolution_backward", "mkldnn_rnn_la
                           "_cudnn_rnn", "_cudnn_rnn_backward"))
 # the choices of estimate_step_peak(kernel_workspace=...)
 KERNEL_WORKSPACE = ("auto", "measure", "ignore")
+# Measuring allocates one kernel call's inputs and outputs for real; a call that would take more
+# than this share of the memory available now is not run (a huge meta model would otherwise
+# allocate, or fail to allocate, what its estimate was meant to avoid).
+_MEASURE_MEMORY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -41,9 +47,17 @@ class _TensorSpec:
     def of(cls, tensor: torch.Tensor) -> _TensorSpec:
         return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
 
+    @property
+    def extent(self) -> int:
+        """Elements of the storage behind a tensor of this shape and stride."""
+        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.extent * self.dtype.itemsize
+
     def zeros(self) -> torch.Tensor:
-        extent = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
-        return torch.zeros(extent, dtype=self.dtype, device=self.device).as_strided(self.shape, self.stride)
+        return torch.zeros(self.extent, dtype=self.dtype, device=self.device).as_strided(self.shape, self.stride)
 
 
 def _call_key(func, args, kwargs) -> tuple:
@@ -52,19 +66,25 @@ def _call_key(func, args, kwargs) -> tuple:
 
 
 class _WorkspaceRecorder(TorchDispatchMode):
-    """Notes each distinct call of a workspace-taking kernel: op, argument shapes, strides, dtypes."""
+    """Notes each distinct call of a workspace-taking kernel: op, argument shapes, strides, dtypes,
+    and the bytes that measuring it alone would allocate for its inputs and outputs."""
 
     def __init__(self):
         super().__init__()
         self.calls: dict[tuple, tuple] = {}
+        self.tensor_bytes: dict[tuple, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        result = func(*args, **kwargs)
         if func in _WORKSPACE_OPS:
             leaves, tree = tree_flatten((args, kwargs))
             specs = [_TensorSpec.of(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-            self.calls.setdefault(_call_key(func, args, kwargs), (func, specs, tree))
-        return func(*args, **kwargs)
+            key = _call_key(func, args, kwargs)
+            self.calls.setdefault(key, (func, specs, tree))
+            self.tensor_bytes[key] = (sum(spec.nbytes for spec in specs if isinstance(spec, _TensorSpec))
+                                      + sum(_TensorSpec.of(t).nbytes for t in _tensors(result)))
+        return result
 
 
 class _WorkspaceReporter(TorchDispatchMode):
@@ -139,6 +159,26 @@ def _held_beyond_outputs(events: list[tuple[int, int]]) -> int:
     return max(0, peak - sum(live.values()))
 
 
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def _too_large_to_measure(recorder: _WorkspaceRecorder, device: torch.device) -> str | None:
+    """Why the largest recorded call cannot be run alone here (its tensors would take more than
+    `_MEASURE_MEMORY_SHARE` of the memory available now), or None."""
+    key = max(recorder.tensor_bytes, key=recorder.tensor_bytes.get)
+    needed, available = recorder.tensor_bytes[key], _available_bytes(device)
+    if needed <= _MEASURE_MEMORY_SHARE * available:
+        return None
+    return (f"running {key[0].name().removeprefix('aten::')} alone would allocate {format_bytes(needed)} of "
+            f"zero-filled inputs and outputs (its workspace comes on top), more than "
+            f"{_MEASURE_MEMORY_SHARE:.0%} of the {format_bytes(available)} available on {device} now; "
+            "pass kernel_workspace='ignore' (the report then says the measured peak can be higher), "
+            "or estimate a smaller batch")
+
+
 def _measure_workspaces(recorder: _WorkspaceRecorder, choice: str, model: nn.Module,
                         device: torch.device) -> tuple[dict[tuple, int], str | None]:
     """Private bytes per recorded kernel call, and a note for the report (None: nothing to say)."""
@@ -153,6 +193,7 @@ def _measure_workspaces(recorder: _WorkspaceRecorder, choice: str, model: nn.Mod
         "the model is on the meta device, so measuring would allocate what it was meant to avoid "
         "(pass kernel_workspace='measure' to run each such kernel once, alone)"
         if choice == "auto" and any(t.is_meta for t in (*model.parameters(), *model.buffers())) else None)
+    reason = reason or _too_large_to_measure(recorder, device)
     if reason:
         if choice == "measure":
             raise LabkitError(f"kernel_workspace='measure' cannot measure on {device}: {reason}")
