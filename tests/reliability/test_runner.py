@@ -29,6 +29,9 @@ from labkit.runner.processes import stop_tree
 ROOT = Path(__file__).resolve().parents[2]
 TAG_VARIABLE = "RELIABILITY_TEST_TAG"  # every process a test starts inherits it, so survivors can be found
 STOP_BOUND_S = 15  # a stopped run and everything it started must be gone within this
+# The fixtures' concurrent runs share two loaded cores: a test that starts them may take this long.
+FIXTURE_RUN_S = 120
+FIXTURE_TEST_TIMEOUT_S = 150
 
 PARAMETERS = 'mode = "ok"\nlabel = "x"\nvalue = 1.0\nsteps = 3'
 # "child": starts a grandchild of the kernel and waits; "sleep": only waits; "ok": records where
@@ -213,12 +216,13 @@ def two_concurrent_runs(project):
     """`repro 00_x -p value 1.0` and `-p value 2.0` started together, with the default output folder."""
     tag = uuid.uuid4().hex
     runs = [start_repro(["00_x", "-p", "value", value], project, tag) for value in ("1.0", "2.0")]
-    outputs = [run.communicate(timeout=50) for run in runs]
+    outputs = [run.communicate(timeout=FIXTURE_RUN_S) for run in runs]
     assert survivors_after(tag, seconds=5) == []
     return [(run.returncode, stdout, stderr) for run, (stdout, stderr) in zip(runs, outputs)]
 
 
 @pytest.mark.trial("R11")
+@pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
 def test_two_runs_started_together_get_two_complete_folders(project, two_concurrent_runs):
     folders = []
     for code, stdout, stderr in two_concurrent_runs:
@@ -235,6 +239,7 @@ def test_two_runs_started_together_get_two_complete_folders(project, two_concurr
 
 
 @pytest.mark.trial("R23")
+@pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
 def test_temporary_files_and_the_inductor_cache_live_in_the_run_folder_and_are_removed(two_concurrent_runs):
     for _, stdout, _ in two_concurrent_runs:
         folder = Path(stdout.strip().rsplit(" -> ", 1)[1]).parent
@@ -294,12 +299,12 @@ ESCAPES = "../../../../../notebooks,../../../../../escape_sweep"
 
 @pytest.fixture(scope="module")
 def escaping_sweep(project):
-    """`repro 00_x --sweep label=<two escaping paths>,x,x --workers 2` in the project (four runs)."""
+    """`repro 00_x --sweep label=<two escaping paths>,x,x --workers 4` in the project (four runs)."""
     committed = (project / "notebooks" / "00_x.ipynb").read_bytes()
     before = {p for p in project.parent.rglob("*")}
     tag = uuid.uuid4().hex
-    run = start_repro(["00_x", "--sweep", f"label={ESCAPES},x,x", "--workers", "2"], project, tag)
-    stdout, stderr = run.communicate(timeout=55)
+    run = start_repro(["00_x", "--sweep", f"label={ESCAPES},x,x", "--workers", "4"], project, tag)
+    stdout, stderr = run.communicate(timeout=FIXTURE_RUN_S)
     assert survivors_after(tag, seconds=5) == []
     created = {p for p in project.parent.rglob("*")} - before
     return run.returncode, stdout, stderr, committed, created
@@ -307,6 +312,7 @@ def escaping_sweep(project):
 
 @pytest.mark.trial("R9b")
 @pytest.mark.trial("R9b2")
+@pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
 def test_a_sweep_value_cannot_escape_runs_or_overwrite_a_committed_notebook(project, escaping_sweep):
     code, stdout, stderr, committed, created = escaping_sweep
     assert code == 0, stderr
@@ -324,6 +330,7 @@ def test_a_sweep_value_cannot_escape_runs_or_overwrite_a_committed_notebook(proj
 
 
 @pytest.mark.trial("R9e")
+@pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
 def test_duplicate_sweep_values_get_two_complete_folders(escaping_sweep, project):
     sweep_folder = next(p for p in (project / "runs" / "00_x").iterdir() if (p / "sweep.json").exists())
     twins = sorted(p.name for p in sweep_folder.iterdir() if p.name.startswith("label=x"))
