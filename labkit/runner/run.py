@@ -85,7 +85,7 @@ def run_notebook(path: str | Path, out_dir: str | Path, parameters: dict | None 
         status, error = _papermill(path, output, out_dir, params, timeout, cell_timeout, threads, stop)
     except KeyboardInterrupt as caught:
         interrupt = caught
-        status, error = "interrupted", _interrupted(path, output, str(caught))
+        status, error = "interrupted", _interrupted(path, output, str(caught) or "Ctrl-C")
     seconds = time.perf_counter() - started
     result = RunResult(path.stem, status, round(seconds, 1), str(output), params, error)
     if output.exists() and _read_records(result, output):
@@ -135,8 +135,7 @@ def _papermill(path: Path, output: Path, cwd: Path, params: dict, timeout: float
             try:
                 ended = _wait(process, timeout, stop)
             finally:  # also on KeyboardInterrupt; after a normal end it catches the kernel's orphans
-                stop_tree(process.pid, tag)
-                process.wait()
+                _stop_despite_interrupts(process, tag)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if ended == "timeout":
@@ -146,6 +145,20 @@ def _papermill(path: Path, output: Path, cwd: Path, params: dict, timeout: float
     if process.returncode == 0:
         return "ok", ""
     return "failed", f"{path.name}: {_failure_cause(output, log, process.returncode)}"
+
+
+def _stop_despite_interrupts(process: subprocess.Popen, tag: str) -> None:
+    """Stop the run's processes; a second Ctrl-C while doing so cannot leave some of them running."""
+    again = None
+    while True:
+        try:
+            stop_tree(process.pid, tag)
+            process.wait()
+            break
+        except KeyboardInterrupt as interrupt:
+            again = interrupt
+    if again is not None:
+        raise again
 
 
 def _run_environment(scratch: Path, threads: str | None, tag: str) -> dict[str, str]:
