@@ -9,6 +9,9 @@ import importlib
 import sys
 
 from labkit.errors import LabkitError
+from labkit.runner.processes import termination_as_interrupt
+
+INTERRUPTED_EXIT = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
 
 COMMANDS = {
     "claims": ("labkit.claims", "main", "print every claim verdict stored in the notebooks (--json for JSON)"),
@@ -39,10 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     module_name, function_name, _ = COMMANDS[name]
     command = getattr(importlib.import_module(module_name), function_name)
     try:
-        return int(command(rest) or 0)
+        with termination_as_interrupt():  # `kill PID` cleans up exactly as Ctrl-C does
+            return int(command(rest) or 0)
     except LabkitError as error:
         print(f"labkit {name}: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:  # whatever the command started is stopped by now
+        print(f"labkit {name}: interrupted" + (f": {interrupt}" if str(interrupt) else ""), file=sys.stderr)
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ It is built so that a notebook cell can never hang on it and never leaves anythi
 - every wait is bounded by `timeout` (the collectives too: the process group gets the same limit);
 - a rank that raises, dies (killed, out of memory, a crash) or runs past the limit is reported in a
   `RankFailure` naming the rank, and the other ranks are stopped at once instead of waiting for it;
-- the processes are killed and the rendezvous files removed in a `finally`, whatever happened.
+- the processes are killed and the rendezvous files removed in a `finally`, whatever happened; when
+  the calling process is killed outright (SIGKILL: no `finally` runs), the ranks die with it (Linux's
+  parent-death signal), and its rendezvous folder, named after its pid, is removed by the next
+  `run_ranks` on the machine. Under ``python -m labkit repro`` the temporary folder lies inside the
+  run folder, which the runner removes in any case.
 
 Nothing listens beyond this machine: the ranks meet through a `FileStore` in a temporary folder (a
 `TCPStore` server would listen on every network interface, not only 127.0.0.1), and gloo's own
@@ -37,6 +41,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -56,6 +61,7 @@ LOG_TAIL_LINES = 5
 ERROR_LINE_CHARS = 200  # how much of a rank's exception message its report quotes
 MAX_WORLD_SIZE = 8
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+SCRATCH_PREFIX = "labkit-ranks-"  # then the pid of the process that called run_ranks
 
 
 class RankFailure(LabkitError):
@@ -93,7 +99,8 @@ def run_ranks(fn: Callable, world_size: int = 2, *, args: tuple = (), timeout: f
     Taught in `15_distributed`.
     """
     _check_request(fn, world_size, args, timeout)
-    scratch = Path(tempfile.mkdtemp(prefix="labkit-ranks-"))
+    _remove_orphaned_scratch()
+    scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
     ranks: list[_Rank] = []  # filled as processes start, so that `finally` stops even a partial start
     try:
         _start(ranks, fn, world_size, args, timeout, scratch)
@@ -102,6 +109,14 @@ def run_ranks(fn: Callable, world_size: int = 2, *, args: tuple = (), timeout: f
     finally:
         _stop(ranks)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _remove_orphaned_scratch() -> None:
+    """Remove the rendezvous folders of `run_ranks` calls whose process no longer exists (it was SIGKILLed)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        owner = folder.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not psutil.pid_exists(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)  # another user's folder is theirs to remove
 
 
 def _check_request(fn: Callable, world_size: int, args: tuple, timeout: float) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -307,13 +308,17 @@ def _json_copy(fp: dict) -> dict:
         raise LabkitError(f"the fingerprint must be plain JSON ({err}): pass fingerprint()'s dict") from err
 
 
-def _stamp_file(path: Path, stamp: dict):
-    import nbformat
-
+def _stamp_file(path: Path, stamp: dict) -> dict:
+    """Stamp the file as raw JSON (nbformat's own layout), replaced atomically: a kill mid-write cannot cut it."""
     if not path.is_file():
         raise LabkitError(f"no notebook at {path}: pass the path of an existing .ipynb file")
-    notebook = _put_stamp(nbformat.read(path, as_version=4), stamp)
-    nbformat.write(notebook, path)
+    notebook = read_notebook_json(path)
+    if not isinstance(notebook, dict) or not isinstance(notebook.get("metadata"), dict):
+        raise LabkitError(f"{path} is not a notebook (no metadata object): pass an .ipynb file")
+    _put_stamp(notebook, stamp)
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    partial.write_text(json.dumps(notebook, sort_keys=True, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(partial, path)
     return notebook
 
 

@@ -5,7 +5,9 @@ results under `runs/`); `make workbook` runs them all and writes a summary; `mak
 refreshes the committed outputs. The notebooks themselves need only `labkit.repro.setup`.
 
 - `parameters`: the parameters cell and values checked against it;
-- `run`: one papermill run in a child process group (`run_notebook`);
+- `run`: one papermill run in a child process (`run_notebook`);
+- `paths`: fresh run folders, safe folder names, the proof that a written path is inside its run folder;
+- `processes`: stopping a whole process tree on any platform; SIGTERM handled as Ctrl-C;
 - `sweep`: a grid of runs, tabulated and plotted;
 - `summary`: the workbook run's summary files;
 - `execute`: executing a committed notebook in place;

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
+from labkit.errors import LabkitError
 from labkit.notebooks import normalise_file, select_notebooks
 from labkit.runner.execute import execute_in_place
 from labkit.runner.parameters import parse_value, validate_parameters
-from labkit.runner.run import resolve_notebook, run_notebook
-from labkit.runner.summary import md_table, write_summary
-from labkit.runner.sweep import parse_sweep, sweep, sweep_table, write_sweep
+from labkit.runner.paths import inside, new_folder, new_run_folder, safe_name
+from labkit.runner.run import check_timeout, resolve_notebook, run_notebook
+from labkit.runner.summary import SUMMARY_FILES, md_table, write_summary
+from labkit.runner.sweep import grid_points, parse_sweep, sweep, sweep_table, write_sweep
 
 __all__ = ["execute_main", "normalise_main", "repro_main", "workbook_main"]
 
@@ -45,21 +48,49 @@ def normalise_main(argv: list[str]) -> int:
 
 
 def workbook_main(argv: list[str]) -> int:
-    """`python -m labkit workbook [NAMES] [--out runs/workbook]`: run the workbook, write a summary."""
+    """`python -m labkit workbook [NAMES] [--out runs/workbook]`: run the workbook into a new folder, write a summary.
+
+    Each run gets its own folder ``OUT/<time>-<suffix>/`` (one subfolder per notebook), so a rerun
+    never overwrites the last one; ``OUT/summary.{md,html,json}`` are copies of the latest run's
+    summary and ``OUT/LATEST`` names its folder.
+    """
     parser = argparse.ArgumentParser(prog="python -m labkit workbook", description=workbook_main.__doc__)
     parser.add_argument("names", nargs="*", help="notebook stems or number prefixes (default: all)")
-    parser.add_argument("--out", default="runs/workbook", help="output folder (default: runs/workbook)")
+    parser.add_argument("--out", default="runs/workbook", help="folder of workbook runs (default: runs/workbook)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per notebook")
     args = parser.parse_args(argv)
-    out = Path(args.out)
+    timeout = check_timeout(args.timeout, "--timeout")
+    notebooks = select_notebooks(args.names)
+    root = Path(args.out)
+    if root.exists() and not root.is_dir():
+        raise LabkitError(f"--out {root} is a file, not a folder: pass a folder for the workbook runs")
+    run_folder = new_run_folder(root)
     results = []
-    for notebook in select_notebooks(args.names):
-        result = run_notebook(notebook, out, timeout=args.timeout)
-        print(f"{result.notebook}: {result.status} in {result.seconds:.1f} s {result.error}".rstrip(), flush=True)
-        results.append(result)
-    write_summary(results, out)
-    print(f"summary: {out / 'summary.md'} and {out / 'summary.html'}")
+    try:
+        for notebook in notebooks:
+            result = run_notebook(notebook, new_folder(run_folder, notebook.stem), timeout=timeout)
+            print(f"{result.notebook}: {result.status} in {result.seconds:.1f} s {result.error}".rstrip(), flush=True)
+            results.append(result)
+    except KeyboardInterrupt as interrupt:
+        write_summary(results, run_folder)
+        raise KeyboardInterrupt(f"{interrupt}; the summary of the {len(results)} finished notebook(s) is in "
+                                f"{run_folder / 'summary.md'}") from interrupt
+    write_summary(results, run_folder)
+    _point_latest(root, run_folder)
+    print(f"summary: {run_folder / 'summary.md'} and {run_folder / 'summary.html'} "
+          f"(copied to {root / 'summary.md'} and .html)")
     return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def _point_latest(root: Path, run_folder: Path) -> None:
+    """Copy the run's summary files to `root` (each replaced atomically) and name the run in `root/LATEST`."""
+    for name in SUMMARY_FILES:
+        partial = inside(root, root / f".{name}.partial")
+        shutil.copyfile(run_folder / name, partial)
+        os.replace(partial, inside(root, root / name))
+    partial = inside(root, root / ".LATEST.partial")
+    partial.write_text(run_folder.name + "\n")
+    os.replace(partial, inside(root, root / "LATEST"))
 
 
 def repro_main(argv: list[str]) -> int:
@@ -71,23 +102,42 @@ def repro_main(argv: list[str]) -> int:
                         help="run the grid of every --sweep (e.g. --sweep batch_size=2,8,32 --sweep seed=0,1,2)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for each run")
     parser.add_argument("--workers", type=int, help="parallel runs in a sweep (default: half the cores)")
-    parser.add_argument("--out", help="output folder (default: runs/NOTEBOOK/TIMESTAMP)")
+    parser.add_argument("--out", help="a new or empty output folder (default: runs/NOTEBOOK/TIME-SUFFIX)")
     args = parser.parse_args(argv)
+    timeout = check_timeout(args.timeout, "--timeout")
+    if args.workers is not None and args.workers < 1:
+        raise LabkitError(f"--workers must be 1 or more, got {args.workers}")
     notebook = resolve_notebook(args.notebook)
-    params = validate_parameters(notebook, {k: parse_value(v) for k, v in args.parameter})
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    out = Path(args.out) if args.out else Path("runs") / notebook.stem / stamp
+    given = _given_once(args.parameter)
+    grid = parse_sweep(args.sweep)
+    both = sorted(set(given) & set(grid))
+    if both:
+        raise LabkitError(f"{', '.join(both)} is given with -p and with --sweep: drop the -p, or sweep one value")
+    params = validate_parameters(notebook, given)
+    for point in grid_points(grid):  # every point, before any folder is made
+        validate_parameters(notebook, dict(params, **point))
+    out = Path(args.out) if args.out else new_run_folder(Path("runs") / safe_name(notebook.stem))
     if args.sweep:
-        return _report_sweep(notebook, parse_sweep(args.sweep), params, out, args)
-    result = run_notebook(notebook, out, params, timeout=args.timeout)
+        return _report_sweep(notebook, grid, params, out, timeout, args.workers)
+    result = run_notebook(notebook, out, params, timeout=timeout)
     print(f"{result.notebook}: {result.status} in {result.seconds:.1f} s -> {result.output}")
     if result.error:
         print(result.error, file=sys.stderr)
     return 0 if result.status == "ok" else 1
 
 
-def _report_sweep(notebook: Path, grid: dict, fixed: dict, out: Path, args) -> int:
-    results = sweep(notebook, grid, out, fixed, timeout=args.timeout, workers=args.workers)
+def _given_once(pairs: list[list[str]]) -> dict[str, object]:
+    """-p NAME VALUE pairs as a dict; a name given twice is an error naming both values."""
+    given: dict[str, str] = {}
+    for name, value in pairs:
+        if name in given:
+            raise LabkitError(f"-p {name} is given twice ({given[name]!r} and {value!r}): give it once")
+        given[name] = value
+    return {name: parse_value(value) for name, value in given.items()}
+
+
+def _report_sweep(notebook: Path, grid: dict, fixed: dict, out: Path, timeout: float, workers: int | None) -> int:
+    results = sweep(notebook, grid, out, fixed, timeout=timeout, workers=workers)
     table = sweep_table(results, list(grid))
     written = write_sweep(table, out)
     print(md_table(list(table[0]), [list(row.values()) for row in table]))

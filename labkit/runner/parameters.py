@@ -7,6 +7,7 @@ values of the default's type, so a typo fails before a run instead of being sile
 from __future__ import annotations
 
 import ast
+import math
 from pathlib import Path
 
 from labkit.errors import LabkitError
@@ -50,6 +51,9 @@ def validate_parameters(path: str | Path, given: dict[str, object]) -> dict[str,
 
 
 def _coerce(name: str, value: object, default: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise LabkitError(f"parameter {name} must be a finite number, got {value!r}: a run records its "
+                          "parameters as JSON, which has no inf or nan; pass a large finite value instead")
     expected = type(default)
     if default is None or isinstance(value, expected) and not (isinstance(value, bool) and expected is int):
         return value

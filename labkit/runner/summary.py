@@ -8,9 +8,12 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
+from labkit.runner.paths import inside
 from labkit.runner.run import RunResult
 
-__all__ = ["html_table", "md_table", "write_summary"]
+__all__ = ["SUMMARY_FILES", "html_table", "md_table", "write_summary"]
+
+SUMMARY_FILES = ("summary.json", "summary.md", "summary.html")
 
 
 def write_summary(results: list[RunResult], out: Path) -> None:
@@ -20,12 +23,13 @@ def write_summary(results: list[RunResult], out: Path) -> None:
     claims = [[c["id"], r.notebook, c["verdict"], c["evidence"]] for r in results for c in r.claims]
     total = sum(r.seconds for r in results)
     heading = f"Gradient Lab workbook run, {stamp}: {sum(r.status == 'ok' for r in results)}/{len(results)} ok, {total:.0f} s"
-    (out / "summary.json").write_text(json.dumps({"heading": heading, "runs": [asdict(r) for r in results]}, indent=2))
-    (out / "summary.md").write_text("\n".join([
+    out = Path(out)
+    inside(out, out / "summary.json").write_text(json.dumps({"heading": heading, "runs": [asdict(r) for r in results]}, indent=2))
+    inside(out, out / "summary.md").write_text("\n".join([
         f"# {heading}", "", md_table(["notebook", "status", "seconds", "error"], runs), "",
         "## Claims checked", "", md_table(["id", "notebook", "verdict", "evidence"], claims), "",
     ]))
-    (out / "summary.html").write_text(
+    inside(out, out / "summary.html").write_text(
         "<!doctype html><meta charset='utf-8'><title>Gradient Lab summary</title>"
         f"<h1>{html.escape(heading)}</h1>{html_table(['notebook', 'status', 'seconds', 'error'], runs)}"
         f"<h2>Claims checked</h2>{html_table(['id', 'notebook', 'verdict', 'evidence'], claims)}"

@@ -6,12 +6,14 @@ import csv
 import itertools
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from labkit.errors import LabkitError
 from labkit.runner.parameters import parse_value, validate_parameters
-from labkit.runner.run import RunResult, run_notebook
+from labkit.runner.paths import folder_name, inside, new_folder, require_empty_folder, safe_name
+from labkit.runner.run import RunResult, check_timeout, run_notebook
 
 __all__ = ["grid_points", "parse_sweep", "plot_sweep", "sweep", "sweep_table", "write_sweep"]
 
@@ -23,6 +25,9 @@ def parse_sweep(specs: list[str]) -> dict[str, list]:
         name, sep, values = spec.partition("=")
         if not sep or not name or not values:
             raise LabkitError(f"--sweep takes NAME=V1,V2,...; got {spec!r}")
+        if name in grid:
+            raise LabkitError(f"--sweep {name} is given twice ({name}={','.join(map(str, grid[name]))} and {spec}): "
+                              f"give one --sweep {name}=V1,V2,... with every value")
         grid[name] = [parse_value(v) for v in values.split(",")]
     return grid
 
@@ -34,21 +39,42 @@ def grid_points(grid: dict[str, list]) -> list[dict]:
 
 def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, fixed: dict | None = None,
           timeout: float = 900, workers: int | None = None) -> list[RunResult]:
-    """Run the notebook at every grid point (in parallel where cores allow), one folder per point."""
+    """Run the notebook at every grid point (in parallel where cores allow), one folder per point.
+
+    `out_dir` must be new or empty. Each point's folder is named by its values (made safe by
+    `paths.folder_name`, unique even for repeated values). Ctrl-C or SIGTERM stops every running
+    point within seconds, records each, and raises KeyboardInterrupt naming what was kept.
+    """
     fixed = fixed or {}
+    both = sorted(set(fixed) & set(grid))
+    if both:
+        raise LabkitError(f"{', '.join(both)} is both fixed (-p) and swept (--sweep): keep one of them")
+    timeout = check_timeout(timeout)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise LabkitError(f"workers must be a whole number >= 1, got {workers!r}")
     points = [dict(fixed, **point) for point in grid_points(grid)]
     for point in points:
         validate_parameters(notebook, point)
+    out_dir = require_empty_folder(out_dir, "sweep folder")
+    folders = [new_folder(out_dir, folder_name({k: point[k] for k in grid})) for point in points]
     cores = os.cpu_count() or 1
     workers = max(1, min(len(points), workers or cores // 2 or 1))
     threads = str(max(1, cores // workers))
-
-    def run(point):
-        folder = Path(out_dir) / ",".join(f"{k}={point[k]}" for k in grid)
-        return run_notebook(notebook, folder, point, timeout=timeout, threads=threads)
-
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(run, points))
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(workers)
+    futures = [pool.submit(run_notebook, notebook, folder, point, timeout=timeout, threads=threads, stop=stop)
+               for folder, point in zip(folders, points)]
+    try:
+        return [future.result() for future in futures]
+    except BaseException as failure:
+        stop.set()  # each running point stops its own process tree within POLL_SECONDS
+        pool.shutdown(wait=True, cancel_futures=True)
+        if not isinstance(failure, KeyboardInterrupt):
+            raise
+        stopped = [f.result().error for f in futures if not f.cancelled() and f.exception() is None]
+        raise KeyboardInterrupt("; ".join([str(failure) or "interrupted", *filter(None, stopped)])) from failure
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def sweep_table(results: list[RunResult], swept: list[str]) -> list[dict]:
@@ -59,20 +85,22 @@ def sweep_table(results: list[RunResult], swept: list[str]) -> list[dict]:
 
 def write_sweep(table: list[dict], out_dir: Path) -> list[Path]:
     """sweep.csv, sweep.json and one plot per metric against the first swept parameter."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = list(dict.fromkeys(k for row in table for k in row))
-    with (out_dir / "sweep.csv").open("w", newline="") as handle:
+    with inside(out_dir, out_dir / "sweep.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, columns)
         writer.writeheader()
         writer.writerows(table)
-    (out_dir / "sweep.json").write_text(json.dumps(table, indent=2))
+    inside(out_dir, out_dir / "sweep.json").write_text(json.dumps(table, indent=2))
     written = [out_dir / "sweep.csv", out_dir / "sweep.json"]
     x = columns[0]
     metrics = [c for c in columns[columns.index("seconds") + 1:] if _numeric(table, c)]
     for metric_name in metrics:
         figure = plot_sweep(table, x, metric_name)
-        figure.savefig(out_dir / f"sweep_{metric_name}.png", dpi=100, bbox_inches="tight")
-        written.append(out_dir / f"sweep_{metric_name}.png")
+        plot = inside(out_dir, out_dir / f"sweep_{safe_name(metric_name)}.png")
+        figure.savefig(plot, dpi=100, bbox_inches="tight")
+        written.append(out_dir / plot.name)
     return written
 
 
