@@ -277,6 +277,8 @@ class GradTracer:
         self._finalizer: weakref.finalize | None = None
         # Which C++ tensor each traced parameter was when hooked (a swap replaces it in place).
         self._identities: list[int] = []
+        # The module and attribute name that hold each traced parameter.
+        self._owners = [_owner(model, name) for name in self.names]
         # Each backward pass's gradients (by graph task), until that backward finishes: a backward
         # that raises midway never counts (its callback never runs), and is dropped at step close.
         self._backwards: dict[int, dict[int, tuple]] = {}
@@ -332,10 +334,11 @@ class GradTracer:
         # load_state_dict(..., assign=True) and .to() across device types put new Parameter objects
         # in the model; a conversion with swap_tensors keeps the object but swaps the tensor behind
         # it. Either way the hooks on the old ones never run again.
-        current = [p for _, p in self.model.named_parameters() if p.numel() > 0]
-        return len(current) != len(self._params) or any(
-            new is not old or tensor_identity(new) != identity
-            for new, old, identity in zip(current, self._params, self._identities)
+        # Runs before every forward pass: one dict look-up per parameter, no module walk (and not
+        # Module.__getattr__, which costs several times more).
+        return any(
+            owner._parameters.get(key) is not param or tensor_identity(param) != identity
+            for (owner, key), param, identity in zip(self._owners, self._params, self._identities)
         )
 
     def _reattach(self) -> None:
@@ -370,6 +373,7 @@ class GradTracer:
         for param in params:
             rearm_post_accumulate_grad_hooks(param)
         self._params = params
+        self._owners = [_owner(self.model, name) for name in self.names]
         self._identities = [tensor_identity(p) for p in params]
         self._grad_handles[:] = [None] * len(params)
         self._hook_parameters_needing_grad()
@@ -701,6 +705,11 @@ def _check_thresholds(
             raise LabkitError(f"{label} must be {allowed}, got {value!r}")
     if not isinstance(unit_dim, int) or isinstance(unit_dim, bool):
         raise LabkitError(f"unit_dim must be an integer (a dimension of the outputs), got {unit_dim!r}")
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_path, _, key = name.rpartition(".")
+    return model.get_submodule(module_path), key
 
 
 def _is_number(value: object) -> bool:
