@@ -32,11 +32,15 @@ __all__ = [
     "foreach_copy_",
     "foreach_norm",
     "foreach_sub",
+    "graph_task_id",
     "mem_tracker_class",
     "present",
     "profiler_enabled",
     "profiler_event_tree",
+    "queue_backward_callback",
     "raw_saved_tensors",
+    "rearm_post_accumulate_grad_hooks",
+    "tensor_identity",
     "tree_flatten",
     "tree_map_only",
     "tree_unflatten",
@@ -61,6 +65,27 @@ def private(module: str, name: str) -> Any:
 foreach_copy_ = private("torch", "_foreach_copy_")
 foreach_sub = private("torch", "_foreach_sub")
 foreach_norm = private("torch", "_foreach_norm")
+
+# The autograd engine's backward pass (GradTracer tells a backward that finished from one that raised):
+# the id of the backward running on this thread (-1 outside one), and a callback run once that
+# backward has finished without error.
+graph_task_id = private("torch._C", "_current_graph_task_id")
+queue_backward_callback = private("torch.autograd.variable", "Variable")._execution_engine.queue_callback
+
+
+def tensor_identity(tensor: torch.Tensor) -> int:
+    """The C++ tensor behind a Python tensor: it changes when ``torch.utils.swap_tensors`` (or a
+    module conversion under ``torch.__future__.set_swap_module_params_on_conversion(True)``) swaps
+    it, although the Python object stays the same."""
+    return tensor._cdata
+
+
+def rearm_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
+    """Re-install a tensor's post-accumulate-grad hooks on the C++ tensor behind it: after a swap the
+    Python dict of hooks is still there, but the new C++ tensor never calls it."""
+    hooks = param._post_accumulate_grad_hooks
+    if hooks is not None:
+        param._post_accumulate_grad_hooks = hooks
 
 
 def present(module: str, names) -> tuple:

@@ -26,6 +26,49 @@ def test_foreach_kernels_copy_subtract_and_norm_lists_of_tensors():
     assert [n.item() for n in compat.foreach_norm(deltas)] == pytest.approx([5.0, 2.0])
 
 
+def test_backward_callbacks_run_only_for_a_backward_that_finishes_and_task_ids_tell_backwards_apart():
+    weight = torch.ones(2, requires_grad=True)
+    seen, finished = [], []
+
+    def hook(param):
+        seen.append(compat.graph_task_id())
+        compat.queue_backward_callback(lambda: finished.append(seen[-1]))
+
+    class RaisesInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("backward failed")
+
+    weight.register_post_accumulate_grad_hook(hook)
+    (weight * 2).sum().backward()
+    # The engine runs later-made nodes first: weight gets its gradient, then the branch made
+    # before it raises, so that backward never finishes.
+    failing_branch = RaisesInBackward.apply(torch.ones(1, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match="backward failed"):
+        (failing_branch + (weight * 2).sum()).backward()
+    (weight * 3).sum().backward()
+    assert compat.graph_task_id() == -1
+    assert len(seen) == len(set(seen)) == 3
+    assert finished == [seen[0], seen[2]]
+
+
+def test_a_swap_changes_the_tensor_identity_and_rearming_makes_the_hooks_run_again():
+    model = torch.nn.Linear(2, 1)
+    calls = []
+    model.weight.register_post_accumulate_grad_hook(lambda param: calls.append(param.dtype))
+    identity = compat.tensor_identity(model.weight)
+    torch.utils.swap_tensors(model.weight, torch.nn.Parameter(model.weight.detach().double()))
+    assert compat.tensor_identity(model.weight) != identity
+    model.bias.data = model.bias.data.double()
+    compat.rearm_post_accumulate_grad_hooks(model.weight)
+    model(torch.ones(1, 2, dtype=torch.double)).sum().backward()
+    assert calls == [torch.float64]
+
+
 def _broke(entry: str) -> str:
     return f"labkit._torch_compat.{entry} no longer does what labkit needs on torch {torch.__version__}"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from numbers import Real
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ class GradComparison:
     """Per-parameter comparison of two gradient sets, what `compare_grads` returns. ``str()``
     and a notebook's display show it as a table; ``repr()`` is the dataclass's.
 
-    ``exact``: equal after casting to float64 (NaN matches NaN). ``close``:
+    ``exact``: equal after casting to float64, or complex128 when either side is complex (NaN
+    matches NaN); sparse gradients are compared as their dense values. ``close``:
     ``torch.allclose(a, b, rtol, atol, equal_nan=True)``, with b as the reference.
     ``max_rel_diff``: the largest ``|a - b| / max(|a|, |b|)`` (0 where both are 0)."""
 
@@ -84,7 +86,10 @@ def compare_grads(
 
     ``a`` and ``b`` are models (their parameters' ``.grad``, for the parameters that require
     grad) or mappings from name to tensor. Both must hold the same names, shapes and a gradient for
-    every name. Values are compared in float64 on the CPU."""
+    every name. Values are compared in float64 (complex128 for complex gradients) on the CPU."""
+    for label, tolerance in (("rtol", rtol), ("atol", atol)):
+        if not _is_number(tolerance) or not math.isfinite(tolerance) or tolerance < 0:
+            raise LabkitError(f"{label} must be a finite number >= 0, got {tolerance!r}")
     grads_a, grads_b = _named_grads(a, "a"), _named_grads(b, "b")
     only_a, only_b = grads_a.keys() - grads_b.keys(), grads_b.keys() - grads_a.keys()
     if only_a or only_b:
@@ -122,8 +127,15 @@ def _diff_row(name: str, a: torch.Tensor, b: torch.Tensor, rtol: float, atol: fl
             f"'{name}' has shape {tuple(a.shape)} in a and {tuple(b.shape)} in b: "
             "compare gradients of the same architecture"
         )
-    x = a.detach().to("cpu", torch.float64)
-    y = b.detach().to("cpu", torch.float64)
+    for label, grad in (("a", a), ("b", b)):
+        if grad.device.type == "meta":
+            raise LabkitError(
+                f"'{name}' is a meta-device gradient in {label}: meta tensors hold no values, so "
+                "there is nothing to compare; run both sides on a real device (cpu, cuda)"
+            )
+    # Complex gradients keep their imaginary part: casting them to float64 would drop it.
+    common = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+    x, y = (_dense(grad).to("cpu", common) for grad in (a, b))
     same = (x == y) | (x.isnan() & y.isnan())
     # inf - inf and mismatched NaNs are NaN; count them as an infinite difference.
     diff = torch.where(same, 0.0, (x - y).abs().nan_to_num(nan=math.inf))
@@ -139,6 +151,15 @@ def _diff_row(name: str, a: torch.Tensor, b: torch.Tensor, rtol: float, atol: fl
         dtype_a=str(a.dtype).removeprefix("torch."),
         dtype_b=str(b.dtype).removeprefix("torch."),
     )
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.detach()
+    return grad.to_dense() if grad.layout != torch.strided else grad
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def _yes_no(flag: bool) -> str:

@@ -12,16 +12,25 @@ a step reads everything with one transfer.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
+from numbers import Real
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from labkit._torch_compat import foreach_copy_, foreach_norm, foreach_sub
+from labkit._torch_compat import (
+    foreach_copy_,
+    foreach_norm,
+    foreach_sub,
+    graph_task_id,
+    queue_backward_callback,
+    rearm_post_accumulate_grad_hooks,
+    tensor_identity,
+)
 from labkit.errors import LabkitError
 
 __all__ = [
@@ -109,6 +118,35 @@ EXPLODE_MIN_BASELINE = 5
 _TRACED_PARAMS: set[int] = set()
 
 
+class _WeakHook:
+    """A hook that calls a tracer's method through a weak reference. PyTorch keeps a tensor's hooks
+    where the garbage collector cannot see them, so a hook holding the tracer would keep it, and
+    through it the model, alive forever when a tracer is entered and never exited; with weak hooks
+    such a tracer is collected and its finalizer removes the hooks."""
+
+    __slots__ = ("_method", "_bound")
+
+    def __init__(self, method: Any, *bound: Any) -> None:
+        self._method = weakref.WeakMethod(method)
+        self._bound = bound
+
+    def __call__(self, *args: Any) -> Any:
+        method = self._method()
+        return None if method is None else method(*self._bound, *args)
+
+
+def _release_hooks(grad_handles: list, other_handles: list, traced_ids: set[int]) -> None:
+    """Remove a tracer's hooks and free its parameters for another tracer: on exit, or when a
+    tracer that was never exited is collected (it takes the lists, never the tracer itself)."""
+    for handle in [*grad_handles, *other_handles]:
+        if handle is not None:
+            handle.remove()
+    grad_handles.clear()
+    other_handles.clear()
+    _TRACED_PARAMS.difference_update(traced_ids)
+    traced_ids.clear()
+
+
 @dataclass(frozen=True)
 class Alert:
     """A gradient failure seen at one step, as `GradTracer.alerts` returns it: ``kind`` is one of
@@ -169,6 +207,17 @@ class GradTracer:
 
     The history keeps the last ``max_steps`` steps (``None``: all); alerts are kept for the steps
     the history keeps.
+
+    Faults: a backward pass that raises midway counts for nothing (``accumulations`` counts the
+    backward passes that finished; zero the gradients before retrying, as its partial gradients
+    stay in ``.grad``). The optimizer must update at least one of the model's parameters (one that
+    updates only some, such as the trainable ones, is fine: each of its steps closes a step).
+    Parameters replaced while attached (``load_state_dict(..., assign=True)``, ``.to()`` across
+    devices, conversions under ``torch.__future__.set_swap_module_params_on_conversion(True)``) are
+    noticed before the next forward pass and traced from then on; a move to the meta device, a
+    different set of parameters, or an optimizer still holding the old ones is a `LabkitError`.
+    The hooks hold the tracer weakly: a tracer entered and never exited is removed, hooks and all,
+    once nothing refers to it.
     """
 
     def __init__(
@@ -190,6 +239,7 @@ class GradTracer:
         _check_tracer_options(
             model, optimizer, full_every, histogram_bins, update_ratio, max_steps, baseline_steps
         )
+        _check_thresholds(activations, update_ratio, vanish_ratio, explode_factor, dead_above, unit_dim)
         if unit_dim == 0:
             raise LabkitError(
                 "unit_dim=0 is the batch: a unit is dead when it is 0 for every sample, so name the "
@@ -201,6 +251,8 @@ class GradTracer:
                 f"{type(model).__name__} has no parameters, so there is no gradient to trace: "
                 "pass the nn.Module that owns the parameters you train"
             )
+        if optimizer is not None:
+            _check_optimizer_owns_some(optimizer, model, [p for _, p in named])
         self.model = model
         self.optimizer = optimizer
         self.names = [name for name, _ in named]
@@ -221,6 +273,15 @@ class GradTracer:
         self._attached = False
         self._grad_handles: list[Any] = []
         self._other_handles: list[Any] = []
+        self._traced_ids: set[int] = set()
+        self._finalizer: weakref.finalize | None = None
+        # Which C++ tensor each traced parameter was when hooked (a swap replaces it in place).
+        self._identities: list[int] = []
+        # The module and attribute name that hold each traced parameter.
+        self._owners = [_owner(model, name) for name in self.names]
+        # Each backward pass's gradients (by graph task), until that backward finishes: a backward
+        # that raises midway never counts (its callback never runs), and is dropped at step close.
+        self._backwards: dict[int, dict[int, tuple]] = {}
         self._activation_modules: list[tuple[str, nn.Module]] = []
         self._params_before: list[torch.Tensor] = []
         self._reset_pending()
@@ -231,15 +292,23 @@ class GradTracer:
         if self._attached:
             raise LabkitError("this GradTracer is already attached: enter it once, with one `with`")
         ids = {id(p) for p in self._params}
-        if ids & _TRACED_PARAMS:
-            raise LabkitError(
-                f"{type(self.model).__name__} already has a GradTracer attached to its parameters: "
-                "exit that tracer's `with` block first (two tracers would run every hook twice)"
-            )
+        _refuse_traced(ids, self.model)
         _TRACED_PARAMS.update(ids)
         self._attached = True
+        self._traced_ids = ids
         self._grad_handles = [None] * len(self._params)
+        self._other_handles = []
+        # A tracer entered and never exited is collected (its hooks hold it weakly); this removes
+        # its hooks then. __exit__ runs it at once.
+        self._finalizer = weakref.finalize(
+            self, _release_hooks, self._grad_handles, self._other_handles, self._traced_ids
+        )
+        self._identities = [tensor_identity(p) for p in self._params]
         self._hook_parameters_needing_grad()
+        # Before each forward pass: are the model's parameters still the ones hooked?
+        self._other_handles.append(
+            self.model.register_forward_pre_hook(_WeakHook(self._before_forward))
+        )
         if self._trace_activations:
             self._hook_activations()
         if self.optimizer is not None:
@@ -247,21 +316,73 @@ class GradTracer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for handle in [*self._grad_handles, *self._other_handles]:
-            if handle is not None:
-                handle.remove()
-        self._grad_handles, self._other_handles = [], []
+        if self._finalizer is not None:
+            self._finalizer()
         self._params_before = []
-        _TRACED_PARAMS.difference_update(id(p) for p in self._params)
         self._attached = False
+        self._backwards.clear()
         self._reset_pending()
 
     def _hook_parameters_needing_grad(self) -> None:
         # Re-run at every step boundary so that a parameter unfrozen mid-run gets its hook.
         for index, param in enumerate(self._params):
             if param.requires_grad and self._grad_handles[index] is None:
-                hook = partial(self._on_gradient, index)
+                hook = _WeakHook(self._on_gradient, index)
                 self._grad_handles[index] = param.register_post_accumulate_grad_hook(hook)
+
+    def _parameters_replaced(self) -> bool:
+        # load_state_dict(..., assign=True) and .to() across device types put new Parameter objects
+        # in the model; a conversion with swap_tensors keeps the object but swaps the tensor behind
+        # it. Either way the hooks on the old ones never run again.
+        # Runs before every forward pass: one dict look-up per parameter, no module walk (and not
+        # Module.__getattr__, which costs several times more).
+        return any(
+            owner._parameters.get(key) is not param or tensor_identity(param) != identity
+            for (owner, key), param, identity in zip(self._owners, self._params, self._identities)
+        )
+
+    def _reattach(self) -> None:
+        """Move the gradient hooks to the model's current parameters (see `_parameters_replaced`)."""
+        named = [(name, p) for name, p in self.model.named_parameters() if p.numel() > 0]
+        what = (
+            "the model's parameters were replaced while the tracer was attached "
+            "(load_state_dict(..., assign=True), .to(), or a conversion that swaps tensors)"
+        )
+        if [name for name, _ in named] != self.names:
+            raise LabkitError(
+                f"{what} and are no longer the same set ({len(named)} now, {len(self.names)} "
+                "traced): exit this tracer and attach a new GradTracer to the new model"
+            )
+        params = [p for _, p in named]
+        if any(p.device.type == "meta" for p in params):
+            raise LabkitError(
+                f"{what}, and they are on the meta device now: meta tensors hold no values, so "
+                "there is no gradient to trace; exit the tracer before moving the model to meta"
+            )
+        if self.optimizer is not None:
+            _check_optimizer_owns_some(self.optimizer, self.model, params, replaced=True)
+        new_ids = {id(p) for p in params} - self._traced_ids
+        _refuse_traced(new_ids, self.model)
+        for handle in self._grad_handles:
+            if handle is not None:
+                handle.remove()
+        _TRACED_PARAMS.difference_update(self._traced_ids)
+        self._traced_ids.clear()
+        self._traced_ids.update(id(p) for p in params)
+        _TRACED_PARAMS.update(self._traced_ids)
+        for param in params:
+            rearm_post_accumulate_grad_hooks(param)
+        self._params = params
+        self._owners = [_owner(self.model, name) for name in self.names]
+        self._identities = [tensor_identity(p) for p in params]
+        self._grad_handles[:] = [None] * len(params)
+        self._hook_parameters_needing_grad()
+        if self._trace_updates:
+            self._params_before = [p.detach().clone() for p in params]
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._parameters_replaced():
+            self._reattach()
 
     def _hook_activations(self) -> None:
         self._activation_modules = [
@@ -271,30 +392,55 @@ class GradTracer:
         ]
         self._activation_pending = [None] * len(self._activation_modules)
         for index, (_, module) in enumerate(self._activation_modules):
-            hook = partial(self._on_activation, index)
+            hook = _WeakHook(self._on_activation, index)
             self._other_handles.append(module.register_forward_hook(hook))
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._trace_updates:
             self._params_before = [p.detach().clone() for p in self._params]
-            self._other_handles.append(optimizer.register_step_pre_hook(self._before_update))
-        self._other_handles.append(optimizer.register_step_post_hook(self._after_update))
+            pre_hook = _WeakHook(self._before_update)
+            self._other_handles.append(optimizer.register_step_pre_hook(pre_hook))
+        self._other_handles.append(optimizer.register_step_post_hook(_WeakHook(self._after_update)))
 
     # ----------------------------------------------------------------- hooks (hot path)
 
     def _on_gradient(self, index: int, param: torch.Tensor) -> None:
+        task = graph_task_id()
+        staged = self._backwards.get(task)
+        if staged is None:
+            staged = self._begin_backward(task)
+        grad = param.grad
+        seen = grad.detach() if grad.requires_grad else grad  # create_graph=True: off its graph
+        if seen.is_sparse:
+            seen = seen.to_dense()
+        staged[index] = (grad, seen, _gradient_summary(seen, self._bins if self._full_step else 0))
+        if task < 0:  # not inside the autograd engine's backward: nothing to wait for
+            self._commit(staged)
+
+    def _begin_backward(self, task: int) -> dict[int, tuple]:
+        # The first gradient of a backward pass; the step's gradients may have been thrown away
+        # since the last one (a skipped step).
         if self._step_was_abandoned():
             self._close_step(None, skipped=True)
-        self._accumulations[index] += 1
-        grad = param.grad
-        if self._first_grad is None:
-            self._first_grad = (param, grad)
-        if grad.requires_grad:  # backward(create_graph=True): keep the reductions off its graph
-            grad = grad.detach()
-        if grad.is_sparse:
-            grad = grad.to_dense()
-        self._pending[index] = _gradient_summary(grad, self._bins if self._full_step else 0)
-        self._grads_seen[index] = grad
+        staged: dict[int, tuple] = {}
+        if task >= 0:
+            self._backwards[task] = staged
+            queue_backward_callback(_WeakHook(self._finish_backward, task))
+        return staged
+
+    def _finish_backward(self, task: int) -> None:
+        # Runs only when the backward pass finished without raising.
+        staged = self._backwards.pop(task, None)
+        if staged:
+            self._commit(staged)
+
+    def _commit(self, staged: dict[int, tuple]) -> None:
+        for index, (grad, seen, summary) in staged.items():
+            self._accumulations[index] += 1
+            if self._first_grad is None:
+                self._first_grad = (self._params[index], grad)
+            self._pending[index] = summary
+            self._grads_seen[index] = seen
 
     def _step_was_abandoned(self) -> bool:
         # The step's .grad tensor is gone or replaced although optimizer.step() has not closed the
@@ -373,6 +519,19 @@ class GradTracer:
         self._full_step = self._full_every > 0 and self._step % self._full_every == 0
 
     def _close_step(self, update: torch.Tensor | None, skipped: bool = False) -> None:
+        self._backwards.clear()  # backward passes that raised: their gradients never count
+        if self._parameters_replaced():
+            # Replaced after this step's forward pass (the forward pre-hook re-attaches before it):
+            # the step's gradients went to parameters the tracer did not hook.
+            step = self._step
+            self._reattach()
+            self._reset_pending()
+            raise LabkitError(
+                f"step {step}: the model's parameters were replaced during the step, after its "
+                "forward pass, so its gradients reached parameters the tracer was not hooked to: "
+                "the step is not recorded; the tracer follows the new parameters from the next step "
+                "(replace parameters between steps, before the forward pass)"
+            )
         activations = [(k, p) for k, p in enumerate(self._activation_pending) if p is not None]
         summaries = [s for s in self._pending if s is not None]
         on_device = _step_tensors(summaries, [p for _, p in activations], update)
@@ -520,8 +679,72 @@ def _check_tracer_options(
         ("baseline_steps", baseline_steps, 1),
         ("max_steps", 1 if max_steps is None else max_steps, 1),
     ):
-        if not isinstance(value, int) or value < least:
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise LabkitError(f"{label} must be an integer >= {least}, got {value!r}")
+
+
+def _check_thresholds(
+    activations: object,
+    update_ratio: object,
+    vanish_ratio: object,
+    explode_factor: object,
+    dead_above: object,
+    unit_dim: object,
+) -> None:
+    for label, flag in (("activations", activations), ("update_ratio", update_ratio)):
+        if not isinstance(flag, bool):
+            raise LabkitError(f"{label} must be True or False, got {flag!r}")
+    for label, value, allowed, accepts in (
+        ("explode_factor", explode_factor, "a number > 1 (a norm this many times its median alerts)",
+         lambda v: v > 1),
+        ("vanish_ratio", vanish_ratio, "a number in [0, 1) (a share of the step's largest rms)",
+         lambda v: 0 <= v < 1),
+        ("dead_above", dead_above, "a share in (0, 1] of a ReLU's units", lambda v: 0 < v <= 1),
+    ):  # fmt: skip
+        if not _is_number(value) or not math.isfinite(value) or not accepts(value):
+            raise LabkitError(f"{label} must be {allowed}, got {value!r}")
+    if not isinstance(unit_dim, int) or isinstance(unit_dim, bool):
+        raise LabkitError(f"unit_dim must be an integer (a dimension of the outputs), got {unit_dim!r}")
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_path, _, key = name.rpartition(".")
+    return model.get_submodule(module_path), key
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _refuse_traced(ids: set[int], model: nn.Module) -> None:
+    if ids & _TRACED_PARAMS:
+        raise LabkitError(
+            f"{type(model).__name__} already has a GradTracer attached to its parameters: "
+            "exit that tracer's `with` block first (two tracers would run every hook twice)"
+        )
+
+
+def _check_optimizer_owns_some(
+    optimizer: torch.optim.Optimizer, model: nn.Module, params: list, replaced: bool = False
+) -> None:
+    """The optimizer must update at least one of the traced parameters, or its steps say nothing
+    about this model. Owning only some is accepted: optimizers built from the trainable parameters
+    only, or one optimizer per parameter group (SparseAdam for embeddings, Adam for the rest), are
+    common; the tracer closes a step whenever this optimizer steps."""
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if owned.isdisjoint(id(p) for p in params):
+        if replaced:
+            raise LabkitError(
+                f"the parameters of {type(model).__name__} were replaced while the tracer was "
+                "attached (load_state_dict(..., assign=True), .to(), or a conversion that swaps "
+                f"tensors), and {type(optimizer).__name__} still updates the old ones: build the "
+                "optimizer (and the tracer) again from model.parameters() after replacing them"
+            )
+        raise LabkitError(
+            f"{type(optimizer).__name__} updates none of the parameters of {type(model).__name__}: "
+            "pass the optimizer built from this model's parameters, "
+            f"GradTracer(model, torch.optim.{type(optimizer).__name__}(model.parameters(), ...))"
+        )
 
 
 def _gradient_summary(grad: torch.Tensor, bins: int) -> tuple[torch.Tensor, ...]:

@@ -145,10 +145,25 @@ def _named_params(params: Any) -> dict[str, torch.Tensor]:
         return {}
     if isinstance(params, nn.Module):
         return dict(params.named_parameters())
-    named = dict(params.items() if isinstance(params, Mapping) else params)
-    if not all(isinstance(t, torch.Tensor) for t in named.values()):
-        raise LabkitError("params must map names to tensors: pass model.named_parameters()")
-    return named
+    usage = "pass the model, a dict of name -> tensor, or model.named_parameters()"
+    if isinstance(params, Mapping):
+        pairs = list(params.items())
+    elif isinstance(params, (str, bytes, torch.Tensor)) or not isinstance(params, Iterable):
+        raise LabkitError(f"params cannot be a {type(params).__name__}: {usage}")
+    else:
+        pairs = list(params)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise LabkitError(
+                f"params must hold (name, tensor) pairs, found a {type(pair).__name__}: {usage}"
+            )
+        name, tensor = pair
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise LabkitError(
+                f"params must map str names to tensors, found {type(name).__name__} -> "
+                f"{type(tensor).__name__} ({name!r}): {usage}"
+            )
+    return dict(pairs)
 
 
 def _walk(root: Any) -> tuple[list[Any], list[tuple[int, int]]]:
