@@ -65,7 +65,7 @@ def test_metric_names_must_be_identifiers():
 
 
 def executed(make_notebook, tmp_path, cell=CLAIM_CELL):
-    from labkit.repro import run_notebook
+    from labkit.runner import run_notebook
 
     source = make_notebook("01_fixture", "seed = 0", cell)
     result = run_notebook(source, tmp_path / "out", timeout=120)
