@@ -5,11 +5,13 @@ In a notebook (taught in 00_start_here)::
     grading.check("00.1", one_training_step)   # ✓ Exercise 00.1 passed: ...  or  ✗ ... not yet: ... Hint: ...
     grading.score()                            # Score for this notebook: 1/2 exercises passed
 
-`check` never raises on a wrong answer, not even when the answer itself raises: the learner reads
-one sentence saying what is still wrong and a hint, never a traceback. Each verdict is also
-displayed as `application/vnd.labkit.grade+json`, so `python -m labkit progress [folder]` can read
-a learner's executed notebooks and show which exercises pass across the course. The checks
-themselves live in `labkit/exercises/nbNN.py`.
+`check` never raises on a wrong answer, not even when the answer itself raises, exits or never
+returns (each check has a time limit, `CHECK_TIME_LIMIT_S`): the learner reads one sentence saying
+what is still wrong and a hint, never a traceback. A check leaves the notebook's global state
+(random streams, default dtype, warning filters, threads, patched torch functions, ...) as it
+found it. Each verdict is also displayed as `application/vnd.labkit.grade+json`, so
+`python -m labkit progress [folder]` can read a learner's executed notebooks and show which
+exercises pass across the course. The checks themselves live in `labkit/exercises/nbNN.py`.
 """
 
 from __future__ import annotations
