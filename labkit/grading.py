@@ -56,9 +56,11 @@ GRADE_FIELDS = {"exercise": str, "passed": bool, "message": str}
 EXERCISE_NAMESPACE = MappingProxyType({"torch": torch, "nn": nn, "F": F, "np": np, "math": math})
 
 PASSED, NOT_YET, NOT_RUN = "passed", "not yet", "not run"
-# Every check runs in well under a second; an answer still running after this many seconds is
-# stopped, so a `while True:` loop or a blocking call cannot hang the learner's notebook.
-CHECK_TIME_LIMIT_S = 10.0
+# Every check needs well under a second of CPU; an answer still running after this many seconds
+# of wall time is stopped, so a `while True:` loop or a blocking call cannot hang the learner's
+# notebook. Wall time, because a blocked call uses no CPU; generous, because a shared or slow
+# machine stretches a one-second check several times, and a spurious stop would change stored output.
+CHECK_TIME_LIMIT_S = 20.0
 # Long exception messages (torch's can run to paragraphs) are cut so the verdict stays one line.
 MAX_ERROR_CHARS = 160
 
@@ -204,10 +206,13 @@ class _Attempt:
 
     def __init__(self, answer: Callable) -> None:
         self.answer = answer
-        self.stopped = False  # the time limit passed while the answer itself was running
+        self.stopped = False  # the answer itself was running when the check was stopped
         self.namespaces: _Namespaces | None = None
+        self.running_in: set[int] = set()  # threads inside the answer (a check may call it from several)
 
     def call(self, *args, **kwargs):
+        thread = threading.get_ident()
+        self.running_in.add(thread)
         try:
             result = self.answer(*args, **kwargs)
         except _CheckTimedOut:
@@ -218,9 +223,16 @@ class _Attempt:
         except BaseException as error:  # SystemExit and GeneratorExit too: each becomes a "not yet" line
             raise _AnswerRaised(error) from error
         finally:
+            self.running_in.discard(thread)
             if self.namespaces is not None:
                 self.namespaces.restore()
         return _plain(result)
+
+    def stop_other_threads(self) -> None:
+        """Stop the answer wherever it still runs in a thread the check started and left behind."""
+        for thread in self.running_in - {threading.get_ident()}:
+            self.stopped = True
+            _raise_in_thread(thread)
 
 
 _PLAIN_BASES = (bool, int, float, complex, str, bytes)
@@ -331,6 +343,7 @@ def _isolated_check(spec: Exercise, attempt: _Attempt, limit: float) -> Iterator
             with _time_limit(limit):
                 yield
     finally:
+        attempt.stop_other_threads()
         attempt.namespaces.restore()
         saved.restore()
 
@@ -459,7 +472,7 @@ def _watchdog(seconds: float) -> Iterator[None]:
         while _importing(sys._current_frames().get(target)):
             if done.wait(_IMPORT_RETRY_S):
                 return
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), ctypes.py_object(_CheckTimedOut))
+        _raise_in_thread(target)
 
     watchdog = threading.Thread(target=interrupt, name="labkit-check-watchdog", daemon=True)
     watchdog.start()
@@ -486,6 +499,11 @@ def _sentence(text: str) -> str:
 def _show(result: Result) -> None:
     """Display the verdict as JSON for `progress` plus plain text; plain print outside IPython."""
     show_record(result.message, GRADE_MIMETYPE, asdict(result))
+
+
+def _raise_in_thread(thread: int) -> None:
+    """Raise `_CheckTimedOut` in another thread at its next Python bytecode."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(_CheckTimedOut))
 
 
 # ---- progress across a folder of executed notebooks --------------------------------------------

@@ -434,3 +434,19 @@ def test_a_malformed_claim_payload_is_a_labkit_error_naming_the_file(tmp_path, p
     path = notebook_with_output(tmp_path / "01_fixture.ipynb", claims.CLAIM_MIME, payload)
     with pytest.raises(LabkitError, match=rf"01_fixture\.ipynb cell 1: .*{problem}"):
         claims.collect([path])
+
+
+@pytest.mark.trial("extra")
+def test_an_answer_spinning_in_a_checks_worker_threads_is_stopped_there_too():
+    def spinning_average(model, all_reduce_sum, world_size):
+        while True:
+            pass
+
+    before = threading.active_count()
+    result = grading.run_check("15.1", spinning_average, time_limit_s=SHORT_LIMIT_S)
+    assert not result.passed
+    assert "spinning_average did not return within 1 s" in result.message
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == before
