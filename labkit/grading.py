@@ -56,11 +56,13 @@ GRADE_FIELDS = {"exercise": str, "passed": bool, "message": str}
 EXERCISE_NAMESPACE = MappingProxyType({"torch": torch, "nn": nn, "F": F, "np": np, "math": math})
 
 PASSED, NOT_YET, NOT_RUN = "passed", "not yet", "not run"
-# Every check needs well under a second of CPU; an answer still running after this many seconds
-# of wall time is stopped, so a `while True:` loop or a blocking call cannot hang the learner's
-# notebook. Wall time, because a blocked call uses no CPU; generous, because a shared or slow
-# machine stretches a one-second check several times, and a spurious stop would change stored output.
-CHECK_TIME_LIMIT_S = 20.0
+# Every check needs well under a second of CPU; an answer still computing after this many seconds
+# of CPU time (the process's, all threads) is stopped, so a `while True:` loop cannot hang the
+# learner's notebook. CPU time, because a shared or slow machine stretches wall time several
+# times and a spurious stop would change stored output; a call that waits (sleep, a lock) uses no
+# CPU, so a wall-clock bound of WALL_LIMIT_FACTOR times the limit stops that.
+CHECK_TIME_LIMIT_S = 10.0
+WALL_LIMIT_FACTOR = 6
 # Long exception messages (torch's can run to paragraphs) are cut so the verdict stays one line.
 MAX_ERROR_CHARS = 160
 
@@ -116,14 +118,14 @@ def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None 
         return _not_yet(spec, verdict.problem, verdict.hint)
     except _AnswerRaised as raised:
         return _answer_raised(spec, name, raised.error)
-    except _CheckTimedOut:
+    except _CheckTimedOut as stopped:
         if attempt.stopped:
             return _not_yet(
                 spec,
-                f"your function {name} did not return within {limit:g} s (the check stopped it)",
+                f"your function {name} did not return within {stopped.limit} (the check stopped it)",
                 hint="look for a loop that never ends or a call that waits forever; each check needs well under a second",
             )
-        return _not_yet(spec, f"checking what {name} returned did not finish within {limit:g} s")
+        return _not_yet(spec, f"checking what {name} returned did not finish within {stopped.limit}")
     except KeyboardInterrupt:
         print(f"Exercise {spec.id}: check interrupted, no verdict recorded; run the check cell again.")
         raise
@@ -189,10 +191,30 @@ class _AnswerRaised(Exception):
 
 
 class _CheckTimedOut(BaseException):
-    """Raised in the checking thread when the time limit passes.
+    """Raised in the checking thread when the time limit passes; ``limit`` says which, in words.
 
     A BaseException, so an answer's own ``except Exception:`` cannot swallow it.
     """
+
+    def __init__(self, limit: str = "its time limit") -> None:
+        super().__init__(limit)
+        self.limit = limit
+
+
+class _Deadline:
+    """A check's budget: ``cpu_s`` of the process's CPU time, and a wall-clock bound for waits."""
+
+    def __init__(self, cpu_s: float) -> None:
+        self.cpu_s, self.wall_s = cpu_s, cpu_s * WALL_LIMIT_FACTOR
+        self.cpu_start, self.wall_start = time.process_time(), time.monotonic()
+
+    def passed(self) -> str | None:
+        """The limit that ran out, in words, or None while there is time left."""
+        if time.process_time() - self.cpu_start > self.cpu_s:
+            return f"{self.cpu_s:g} s"
+        if time.monotonic() - self.wall_start > self.wall_s:
+            return f"{self.wall_s:g} s of waiting"
+        return None
 
 
 class _Attempt:
@@ -400,28 +422,29 @@ _SETTINGS: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {
 
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise `_CheckTimedOut` in this thread once ``seconds`` have passed.
+    """Raise `_CheckTimedOut` in this thread once the `_Deadline` for ``seconds`` has passed.
 
-    In the main thread (a notebook's kernel, a script, pytest) a SIGALRM timer does it: its handler
-    runs between two Python bytecodes, and it also wakes ``time.sleep`` and other waits that
-    retry on EINTR. Elsewhere a watchdog thread sets an asynchronous exception on this thread
-    (PyThreadState_SetAsyncExc), which interrupts Python code but not a blocking call. Both wait
-    for an import in progress to finish (`_importing`). Neither can
-    stop a single long C call (one huge torch or NumPy operation): the check ends when it returns.
-    A subprocess could kill even that, but would cost a fork of the kernel per check and could not
-    take the learner's function along; checks must stay well under a second.
+    The deadline is polled every `_POLL_S`. In the main thread (a notebook's kernel, a script,
+    pytest) a SIGALRM timer does it: its handler runs between two Python bytecodes, and it also
+    wakes ``time.sleep`` and other waits that retry on EINTR. Elsewhere a watchdog thread sets an
+    asynchronous exception on this thread (PyThreadState_SetAsyncExc), which interrupts Python code
+    but not a blocking call. Both wait for an import in progress to finish (`_importing`). Neither
+    can stop a single long C call (one huge torch or NumPy operation): the check ends when it
+    returns. A subprocess could kill even that, but would cost a fork of the kernel per check and
+    could not take the learner's function along; checks must stay well under a second.
     """
+    deadline = _Deadline(seconds)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-        with _alarm(seconds):
+        with _alarm(deadline):
             yield
     else:
-        with _watchdog(seconds):
+        with _watchdog(deadline):
             yield
 
 
-# An import is never interrupted: a half-imported module would stay broken in sys.modules for the
-# rest of the session. The stop waits for it, checking again this often.
-_IMPORT_RETRY_S = 0.05
+# How often the deadline is looked at; an import is never interrupted (a half-imported module
+# would stay broken in sys.modules for the rest of the session), so a stop waits for it.
+_POLL_S = 0.05
 
 
 def _importing(frame) -> bool:
@@ -434,20 +457,17 @@ def _importing(frame) -> bool:
 
 
 @contextlib.contextmanager
-def _alarm(seconds: float) -> Iterator[None]:
+def _alarm(deadline: _Deadline) -> Iterator[None]:
     armed = [True]
 
     def on_alarm(signum, frame):
-        if not armed[0]:
-            return
-        if _importing(frame):
-            signal.setitimer(signal.ITIMER_REAL, _IMPORT_RETRY_S)
-            return
-        raise _CheckTimedOut()
+        limit = deadline.passed() if armed[0] else None
+        if limit is not None and not _importing(frame):
+            raise _CheckTimedOut(limit)
 
     started = time.monotonic()
     previous_handler = signal.signal(signal.SIGALRM, on_alarm)
-    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, _POLL_S, _POLL_S)
     try:
         yield
     finally:
@@ -463,16 +483,15 @@ def _alarm(seconds: float) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _watchdog(seconds: float) -> Iterator[None]:
+def _watchdog(deadline: _Deadline) -> Iterator[None]:
     target, done = threading.get_ident(), threading.Event()
 
     def interrupt() -> None:
-        if done.wait(seconds):
-            return
-        while _importing(sys._current_frames().get(target)):
-            if done.wait(_IMPORT_RETRY_S):
+        while not done.wait(_POLL_S):
+            limit = deadline.passed()
+            if limit is not None and not _importing(sys._current_frames().get(target)):
+                _raise_in_thread(target, limit)
                 return
-        _raise_in_thread(target)
 
     watchdog = threading.Thread(target=interrupt, name="labkit-check-watchdog", daemon=True)
     watchdog.start()
@@ -501,9 +520,15 @@ def _show(result: Result) -> None:
     show_record(result.message, GRADE_MIMETYPE, asdict(result))
 
 
-def _raise_in_thread(thread: int) -> None:
-    """Raise `_CheckTimedOut` in another thread at its next Python bytecode."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(_CheckTimedOut))
+def _raise_in_thread(thread: int, limit: str = "its time limit") -> None:
+    """Raise `_CheckTimedOut` in another thread at its next Python bytecode.
+
+    An asynchronous exception is a class (its instance is made in the target thread), so the
+    limit's wording travels as a subclass.
+    """
+    timed_out = type("_CheckTimedOutHere", (_CheckTimedOut,), {"__init__": lambda self: _CheckTimedOut.__init__(
+        self, limit)})
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(timed_out))
 
 
 # ---- progress across a folder of executed notebooks --------------------------------------------

@@ -85,7 +85,7 @@ def test_a_blocking_sleep_is_stopped():
     result = grading.run_check("00.1", sleeping_step, time_limit_s=SHORT_LIMIT_S)
     assert time.monotonic() - started < 10 * SHORT_LIMIT_S
     assert not result.passed
-    assert "sleeping_step did not return within 1 s" in result.message
+    assert "sleeping_step did not return within 6 s of waiting" in result.message
 
 
 @pytest.mark.trial("extra")
@@ -98,7 +98,7 @@ def test_an_answer_that_swallows_exceptions_is_still_stopped():
                 pass
 
     result = grading.run_check("00.1", stubborn_step, time_limit_s=SHORT_LIMIT_S)
-    assert "did not return within 1 s" in result.message
+    assert "did not return within 6 s of waiting" in result.message
 
 
 @pytest.mark.trial("extra")
