@@ -28,6 +28,8 @@ VERDICTS = ("holds", "does-not-hold", "partly", "needs-gpu", "untestable")
 MEASURED_VERDICTS = ("holds", "does-not-hold", "partly")
 CLAIM_MIME = "application/vnd.labkit.claim+json"
 METRIC_MIME = "application/vnd.labkit.metric+json"
+# What `collect` reads from each stored claim payload.
+CLAIM_FIELDS = {"id": str, "verdict": str, "evidence": str, "claim": str}
 
 
 @dataclass(frozen=True)
@@ -171,9 +173,9 @@ def collect(paths: list[str | Path]) -> list[dict]:
     """Every claim verdict stored in the given notebooks (or folders of notebooks), validated."""
     records = []
     for notebook in _notebooks(paths):
-        for record in stored_records(notebook, CLAIM_MIME):
+        for record in stored_records(notebook, CLAIM_MIME, CLAIM_FIELDS):
             try:
-                validate(record.get("id", ""), record.get("verdict", ""), record.get("evidence", ""))
+                validate(record["id"], record["verdict"], record["evidence"])
             except LabkitError as error:
                 raise LabkitError(f"{notebook}: {error}") from error
             records.append({k: record[k] for k in ("id", "notebook", "verdict", "evidence", "claim")})

@@ -108,19 +108,43 @@ def show_record(text: str, mime: str, payload: dict) -> None:
     display({"text/plain": text, mime: payload}, raw=True)
 
 
-def stored_records(notebook: str | Path, mime: str) -> list[dict]:
+def stored_records(notebook: str | Path, mime: str, fields: dict[str, type] | None = None) -> list[dict]:
     """The records of one mimetype stored in a notebook's outputs, without executing it.
 
-    Each record gets a ``notebook`` key: the notebook's stem.
+    Each record gets a ``notebook`` key: the notebook's stem. A notebook that is not shaped like
+    one, or a record that is not a JSON object holding ``fields`` (name -> type), is a LabkitError
+    naming the file and the cell.
     """
     path = Path(notebook)
+    content = read_notebook_json(path)
+    cells = content.get("cells", []) if isinstance(content, dict) else None
+    if not isinstance(cells, list):
+        raise LabkitError(f"{path} is not a notebook: it holds no list of cells; restore it from a copy or re-run it")
     found = []
-    for cell in read_notebook_json(path).get("cells", []):
-        for output in cell.get("outputs", []):
-            payload = output.get("data", {}).get(mime)
+    for index, cell in enumerate(cells, start=1):
+        outputs = cell.get("outputs", []) if isinstance(cell, dict) else None
+        if not isinstance(outputs, list) or not all(isinstance(output, dict) for output in outputs):
+            raise LabkitError(f"{path} cell {index} is malformed (a cell is an object with a list of outputs)")
+        for output in outputs:
+            data = output.get("data", {})
+            payload = data.get(mime) if isinstance(data, dict) else None
             if payload is not None:
-                found.append(dict(payload, notebook=path.stem))
+                found.append(dict(_checked_record(payload, fields or {}, f"{path} cell {index}"), notebook=path.stem))
     return found
+
+
+def _checked_record(payload: object, fields: dict[str, type], where: str) -> dict:
+    if not isinstance(payload, dict):
+        raise LabkitError(f"{where}: a stored record must be a JSON object, got {type(payload).__name__}")
+    for name, kind in fields.items():
+        if name not in payload:
+            raise LabkitError(f"{where}: the stored record has no {name!r} field; re-run the cell that wrote it")
+        if not isinstance(payload[name], kind) or (kind is not bool and isinstance(payload[name], bool)):
+            raise LabkitError(
+                f"{where}: the stored record's {name!r} is a {type(payload[name]).__name__}, "
+                f"not a {kind.__name__}; re-run the cell that wrote it"
+            )
+    return payload
 
 
 # ---- what changes from run to run ------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pathlib import Path
 import nbformat
 
 from labkit.errors import LabkitError
+from labkit.messages import first_line
 from labkit.notebooks import NOTEBOOK_GLOB
 
 # Used through `python -m labkit student` (make student); nothing here is imported by name.
@@ -225,34 +227,51 @@ def _source_notebooks(source: Path, destination: Path) -> list[Path]:
 def _check_overwrite(target: Path, edition: nbformat.NotebookNode, force: bool) -> None:
     if not target.exists():
         return
-    existing = nbformat.read(target, as_version=4)
+    try:
+        existing = nbformat.read(target, as_version=4)
+    except Exception as error:  # nbformat raises JSON, validation and OS errors alike for a damaged file
+        raise LabkitError(f"cannot read {target} ({type(error).__name__}); move it away, then run again") from error
     if existing.metadata.get("labkit") != EDITION_METADATA:
         raise LabkitError(f"{target} exists and was not written by the student-edition generator; move it away first")
-    answered = _changed_exercises(existing, edition)
-    if answered and not force:
+    lost = _lost_work(existing, edition)
+    if lost and not force:
         raise LabkitError(
-            f"{target} holds answers to exercise {', '.join(answered)}; move it away to keep them, "
-            "or pass --force to overwrite them"
+            f"{target} holds {'; '.join(lost)}; regenerating would lose it. Move the notebook away to keep it, "
+            "or pass --force to overwrite it"
         )
 
 
-def _changed_exercises(existing: nbformat.NotebookNode, edition: nbformat.NotebookNode) -> list[str]:
-    """Exercises whose cell in an existing edition differs from the one about to replace it.
+def _lost_work(existing: nbformat.NotebookNode, edition: nbformat.NotebookNode) -> list[str]:
+    """What overwriting an existing edition with ``edition`` would lose, as phrases for a message.
 
-    A difference is most likely a learner's answer, even a half-finished one; after the solution
-    notebook itself changed it is a false alarm, which --force settles.
+    Every cell counts, not only the exercises: a learner's notes, edits to any cell and the
+    outputs of running the notebook (where its grades are stored for `progress`). A difference
+    after the solution notebook itself changed is a false alarm, which --force settles.
     """
-    fresh = _exercise_sources(edition)
-    return [eid for eid, source in _exercise_sources(existing).items() if fresh.get(eid) != source]
+    old_cells, new_cells = existing.cells, edition.cells
+    matcher = difflib.SequenceMatcher(None, [_cell_key(c) for c in old_cells], [_cell_key(c) for c in new_cells],
+                                      autojunk=False)
+    answered, changed = [], []
+    for tag, first, last, _, _ in matcher.get_opcodes():
+        if tag in ("replace", "delete"):
+            for index in range(first, last):
+                exercise_id = exercise_id_of(old_cells[index])
+                if exercise_id is not None:
+                    answered.append(exercise_id)
+                else:
+                    changed.append(f"cell {index + 1} ({old_cells[index]['cell_type']}: "
+                                   f"{first_line(old_cells[index]['source'], 40)!r})")
+    with_outputs = [str(index + 1) for index, cell in enumerate(old_cells) if cell.get("outputs")]
+    lost = [f"answers to exercise {', '.join(answered)}"] if answered else []
+    if changed:
+        lost.append("cells you added or edited: " + ", ".join(changed))
+    if with_outputs:
+        lost.append(f"the outputs of cells {', '.join(with_outputs)} (your run, with its grades)")
+    return lost
 
 
-def _exercise_sources(notebook: nbformat.NotebookNode) -> dict[str, str]:
-    sources = {}
-    for cell in notebook.cells:
-        exercise_id = exercise_id_of(cell)
-        if exercise_id is not None:
-            sources[exercise_id] = cell["source"]
-    return sources
+def _cell_key(cell: dict) -> tuple[str, str]:
+    return cell["cell_type"], cell["source"]
 
 
 def main(argv: list[str]) -> int:
@@ -263,7 +282,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("source", nargs="?", default="notebooks", help="solution notebooks (default: notebooks)")
     parser.add_argument("destination", nargs="?", default="student", help="folder to write (default: student)")
-    parser.add_argument("--force", action="store_true", help="overwrite notebooks that hold a learner's answers")
+    parser.add_argument("--force", action="store_true", help="overwrite notebooks that hold a learner's work (answers, notes, edits, outputs)")
     args = parser.parse_args(argv)
     written = write_student_edition(Path(args.source), Path(args.destination), force=args.force)
     names = ", ".join(path.name for path in written)
