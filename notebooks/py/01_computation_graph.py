@@ -486,13 +486,46 @@ print(f"ceil_mode=False: {ink_outside(covered):.1%} of the ink lies outside ever
 print(f"ceil_mode=True:  {ink_outside(fixed_covered):.1%} of the ink lies outside every window; "
       f"gradient lost {(fixed_upstream.sum() - fixed_received.sum()).item():.0f}")
 
+# %% [markdown]
+# The article blames the *CUDA* backward kernel's thread-block partitioning, and everything above ran
+# PyTorch's CPU kernel. On a GPU the next cell runs the same check on `dev`, where the CUDA
+# `max_pool2d_with_indices_backward` kernel does the routing, on the digits and on larger inputs with
+# stride 3 (many thread blocks), in float64 with integer gradients so every sum is exact. It compares
+# the CUDA input gradient with the CPU's, bit for bit. On a CPU-only machine it does not run, and the
+# verdict below speaks for the CPU kernel only.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if dev.type == "cuda":
+    cuda_pool_checks = []
+    for batch_images, size in ((images, 8), (None, 255), (None, 1024)):
+        cpu_inputs = (batch_images if batch_images is not None  # drawn on dev: the CPU stream stays as on a CPU run
+                      else torch.randn(2, 8, size, size, dtype=torch.float64, device=dev).cpu())
+        for kernel, stride in ((pool_kernel, pool_stride), (3, 3), (3, 2)):
+            per_device = {}
+            for where in ("cpu", dev):
+                inputs = cpu_inputs.to(where).requires_grad_()
+                pooled = F.max_pool2d(inputs, kernel, stride)
+                upstream = torch.arange(1, pooled.numel() + 1, dtype=torch.float64).reshape(pooled.shape).to(where)
+                (grad_in,) = torch.autograd.grad(pooled, inputs, upstream)
+                per_device[str(where)] = (upstream.sum().item(), grad_in.cpu())
+            sent, cuda_grad = per_device[str(dev)]
+            cuda_lost = sent - cuda_grad.sum().item()
+            same_as_cpu = torch.equal(cuda_grad, per_device["cpu"][1])
+            cuda_pool_checks.append((size, kernel, stride, cuda_lost, same_as_cpu))
+            print(f"CUDA max_pool2d backward, {size}x{size}, kernel {kernel}, stride {stride}: gradient lost "
+                  f"{cuda_lost:.0f}, equal to the CPU kernel's bit for bit: {same_as_cpu}")
+    cuda_kernel_loses = any(lost != 0 or not same for _, _, _, lost, same in cuda_pool_checks)
+    print("the CUDA kernel dropped or misrouted gradient somewhere:", cuda_kernel_loses,
+          "(the verdict below covers the CPU kernel; a True here would contradict it on this GPU)")
+
 # %%
 claims.check(
     "A3",
     verdict="does-not-hold" if gradient_lost == 0 and torch.equal(received, by_hand) else "holds",
     evidence=(
-        f"with kernel {pool_kernel} and stride {pool_stride} on 8x8 digits, the input gradient sums to exactly the "
-        f"output gradient (lost: {gradient_lost:.0f}) and sits only at the arg-max positions. What is real: "
+        f"with kernel {pool_kernel} and stride {pool_stride} on 8x8 digits, PyTorch's CPU kernel hands back exactly the "
+        f"output gradient (lost: {gradient_lost:.0f}), all of it at the arg-max positions. What is real: "
         f"{64 - pixels_covered} of 64 pixels lie in no window, so they never affect the output and rightly get "
         f"zero gradient (they hold {ink_outside(covered):.0%} of the ink); kernel 3 with stride 2 on 8x8 leaves "
         f"{outside_windows[3, 2, 8]} such pixels too, while kernel 3 with stride 3 on 9x9 leaves "
@@ -598,17 +631,27 @@ def anomaly_slowdown(layer_width, batch):
 
 
 sizes = {"tiny": (32, 32), "wider": (8192, 4096) if dev.type == "cuda" else (512, 256)}
-ratios = {}
+ratios, spreads = {}, []
 for label, (layer_width, batch) in sizes.items():
     ratios[label], plain, checked = anomaly_slowdown(layer_width, batch)
+    spreads += [plain.spread, checked.spread]
     print(f"{label} (width {layer_width}, batch {batch}): ratio {ratios[label]:.2f}\n"
           f"  plain   {plain}\n  anomaly {checked}")
 near_thirty = [1.15 <= ratio <= 1.5 for ratio in ratios.values()]
+# A timing whose samples spread by more than a quarter (a machine busy with other work) cannot tell
+# 1.3x from 1.0x or 2x; then the run decides nothing.
+TOO_NOISY = 0.25
+timings_too_noisy = max(spreads) > TOO_NOISY
+if timings_too_noisy:
+    a4_verdict = "untestable"
+else:
+    a4_verdict = "holds" if all(near_thirty) else "partly" if any(near_thirty) else "does-not-hold"
 claims.check(
     "A4",
-    verdict="holds" if all(near_thirty) else "partly" if any(near_thirty) else "does-not-hold",
+    verdict=a4_verdict,
     evidence=(
-        f"on {dev.type}, anomaly mode made a training step {ratios['tiny']:.2f}x slower on a tiny MLP (width 32) "
+        (f"timings too noisy to decide (largest spread {max(spreads):.0%}, limit {TOO_NOISY:.0%}); " if timings_too_noisy else "")
+        + f"on {dev.type}, anomaly mode made a training step {ratios['tiny']:.2f}x slower on a tiny MLP (width 32) "
         f"and {ratios['wider']:.2f}x on a wider one (width {sizes['wider'][0]}); the cost is per operation (a "
         f"stored forward traceback on each of the {with_traceback} op nodes, a NaN check on every backward "
         "output), so it is not a fixed percentage"

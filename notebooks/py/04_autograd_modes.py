@@ -561,10 +561,13 @@ print(claims.case("N5").claim)
 
 
 # %% [markdown]
-# The article times a CUDA kernel it compiled itself. We compile nothing: the hand-written backward
-# below is the same arithmetic, `grad * (x > 0)`, in an `autograd.Function`, set against torch's
-# `relu`, whose backward is one fused `threshold_backward` kernel. The timing needs a GPU; on a CPU
-# the verdict is `needs-gpu`.
+# The article times a CUDA kernel of its own: a ReLU backward, `grad_output * (input > 0)`, one
+# thread per element, called from an `autograd.Function` whose forward is `torch.relu`. On a GPU the
+# cells below build that kernel with Triton (which ships with the CUDA builds of torch), check its
+# gradients with `torch.autograd.gradcheck` in float64, then time forward + backward with CUDA events
+# against `torch.relu`, whose backward is torch's fused `threshold_backward` kernel, and against the
+# same arithmetic written in Python (`HandWrittenReLU`, below). On a CPU nothing is compiled or timed,
+# and the verdict is `needs-gpu`.
 
 # %%
 class HandWrittenReLU(torch.autograd.Function):
@@ -582,40 +585,105 @@ class HandWrittenReLU(torch.autograd.Function):
 # %%
 # NBVAL_IGNORE_OUTPUT
 if dev.type == "cuda":
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def relu_backward_kernel(grad_input_ptr, grad_output_ptr, input_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        grad_output = tl.load(grad_output_ptr + offsets, mask=inside)
+        values = tl.load(input_ptr + offsets, mask=inside)
+        tl.store(grad_input_ptr + offsets, tl.where(values > 0, grad_output, 0.0), mask=inside)
+
+    class KernelReLU(torch.autograd.Function):
+        """The article's design: torch.relu forward, a hand-written CUDA kernel for the backward."""
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return torch.relu(x)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            (x,) = ctx.saved_tensors
+            grad_output = grad_output.contiguous()
+            grad_input = torch.empty_like(x)
+            n = x.numel()
+            relu_backward_kernel[(triton.cdiv(n, 1024),)](grad_input, grad_output, x, n, BLOCK=1024)
+            return grad_input
+
+    # Gradients first: float64 values kept away from the kink, so finite differences are exact enough.
+    probe = torch.randn(4096, dtype=torch.float64, device=dev)
+    probe = (probe + probe.sign() * 1e-3).requires_grad_()
+    kernel_gradcheck = torch.autograd.gradcheck(KernelReLU.apply, (probe,), raise_exception=False)
+    print("gradcheck of the Triton ReLU backward (float64):", kernel_gradcheck)
+
+    def event_times_ms(step, repeats=100, warmup=20):
+        """Per-call times of `step`, each between two CUDA events."""
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize(dev)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return torch.tensor(times)
+
     x = torch.randn(1 << 24, device=dev, requires_grad=True)
     upstream = torch.randn_like(x)
-    hand_grad = torch.autograd.grad(HandWrittenReLU.apply(x), x, upstream)[0]
-    torch_grad = torch.autograd.grad(torch.relu(x), x, upstream)[0]
-    same_result = torch.equal(hand_grad, torch_grad)
-    saved = torch.relu(x).detach()
-    backward_times = {
-        "torch threshold_backward": measure_time(lambda: torch.ops.aten.threshold_backward(upstream, saved, 0), device=dev),
-        "hand-written grad * (x > 0)": measure_time(lambda: upstream * (x.detach() > 0), device=dev),
-    }
-    step_times = {
-        "torch.relu forward+backward": measure_time(lambda: torch.autograd.grad(torch.relu(x), x, upstream), device=dev),
-        "HandWrittenReLU forward+backward": measure_time(
-            lambda: torch.autograd.grad(HandWrittenReLU.apply(x), x, upstream), device=dev),
-    }
-    for name, timing in {**backward_times, **step_times}.items():
-        print(f"{name:<34} {timing}")
-    backward_ratio = backward_times["hand-written grad * (x > 0)"].median_s / backward_times["torch threshold_backward"].median_s
-    step_ratio = step_times["HandWrittenReLU forward+backward"].median_s / step_times["torch.relu forward+backward"].median_s
-    verdict = "holds" if backward_ratio <= 0.9 else ("does-not-hold" if backward_ratio >= 1.0 else "partly")
+    contenders = {"torch.relu": torch.relu, "Triton kernel backward": KernelReLU.apply,
+                  "Python grad * (x > 0)": HandWrittenReLU.apply}
+    results = {name: torch.autograd.grad(fn(x), x, upstream)[0] for name, fn in contenders.items()}
+    same_result = all(torch.equal(grad, results["torch.relu"]) for grad in results.values())
+    # Interleaved rounds, so a clock or thermal drift hits every contender alike.
+    rounds = {name: [] for name in contenders}
+    for _ in range(5):
+        for name, fn in contenders.items():
+            rounds[name].append(event_times_ms(lambda fn=fn: torch.autograd.grad(fn(x), x, upstream)))
+    medians = {name: torch.cat(samples).median().item() for name, samples in rounds.items()}
+    round_medians = {name: [samples.median().item() for samples in rs] for name, rs in rounds.items()}
+    for name in contenders:
+        print(f"{name:<24} forward+backward median {medians[name]:.3f} ms "
+              f"(round medians {min(round_medians[name]):.3f} to {max(round_medians[name]):.3f})")
+    kernel_ratio = medians["Triton kernel backward"] / medians["torch.relu"]
+    # The rounds' own spread: how much torch.relu's median moves from round to round.
+    relu_rounds = round_medians["torch.relu"]
+    round_noise = (max(relu_rounds) - min(relu_rounds)) / medians["torch.relu"]
+    if not kernel_gradcheck or not same_result:
+        n5_verdict = "does-not-hold"
+    elif kernel_ratio <= 1 - max(0.05, round_noise):
+        n5_verdict = "holds" if kernel_ratio <= 0.9 else "partly"
+    else:
+        n5_verdict = "does-not-hold"
     claims.check(
         "N5",
-        verdict=verdict,
+        verdict=n5_verdict,
         evidence=(
-            f"on {torch.cuda.get_device_name(dev)}, {x.numel() / 1e6:.1f}M float32 values: the hand-written backward took "
-            f"{backward_ratio:.2f}x the time of torch's threshold_backward, and forward+backward through the "
-            f"autograd.Function {step_ratio:.2f}x torch.relu's; gradients identical: {same_result}"
+            f"on {torch.cuda.get_device_name(dev)}, {x.numel() / 1e6:.1f}M float32 values, CUDA-event timing over 5 "
+            f"interleaved rounds of 100 calls: forward+backward with a Triton ReLU-backward kernel took "
+            f"{kernel_ratio:.2f}x torch.relu's (round-to-round spread of torch.relu {round_noise:.0%}); the same "
+            f"arithmetic in Python took {medians['Python grad * (x > 0)'] / medians['torch.relu']:.2f}x; "
+            f"gradcheck in float64: {kernel_gradcheck}; gradients identical to torch.relu's: {same_result}"
         ),
     )
-else:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if dev.type != "cuda":
     claims.check(
         "N5",
         verdict="needs-gpu",
-        evidence=f"the claim is about CUDA kernel time and this run is on {dev.type}; the timing cell runs on a GPU runner",
+        evidence=(
+            f"the claim is about a CUDA kernel's time and this run is on {dev.type}. On a GPU this notebook builds the "
+            "article's ReLU-backward kernel with Triton, checks it with torch.autograd.gradcheck in float64, and "
+            "times forward+backward with CUDA events against torch.relu (threshold_backward) and a Python "
+            "grad * (x > 0); it holds if the kernel is at least 10% faster beyond the rounds' spread"
+        ),
     )
 
 
@@ -730,4 +798,5 @@ claims.table()
 #   `GradTracer` reports them `missing`, `autograd_graph` lists them unreachable (N3).
 # - `pad_packed_sequence` only changes the layout; packing is what keeps padding out of the LSTM
 #   state and its gradients (N4).
-# - A Python-level custom ReLU backward is a GPU timing question; on a CPU it is `needs-gpu` (N5).
+# - A custom CUDA ReLU backward (N5) is a GPU timing question: a Triton kernel, gradchecked, timed with
+#   CUDA events against torch.relu; on a CPU it is `needs-gpu`.

@@ -677,7 +677,7 @@ plt.show()
 # **Measure.** The MLP trained with SGD (momentum 0.9) for `epochs` epochs of batches of 128, under
 # each schedule, over `seeds` seeds, at base lr `sgd_lr` and at a tenth of it: final loss on the whole
 # training set, test accuracy, and how much the mini-batch loss still jumps in the last quarter of the
-# run (standard deviation), the "noisy loss curve" a schedule change is usually meant to remedy.
+# run (standard deviation), how noisy the end of the loss curve is.
 
 # %%
 def schedule_run(kind, run_seed, base_lr):
@@ -719,9 +719,10 @@ for (base_lr, kind), runs in schedule_results.items():
 
 
 # %% [markdown]
-# **Verdict**, computed from the runs: the switch counts as a remedy at a base lr if cosine ends with
-# a lower training loss than StepLR on every seed; it holds if that is so at both base lrs and cosine
-# also beats a constant lr there.
+# **Verdict**, computed from the runs. The article sets cosine against StepLR, so that is the
+# comparison that decides: the switch pays at a base lr if cosine ends with a lower training loss
+# than StepLR on every seed. It holds if that is so at both base lrs, partly at one, and not at
+# neither. The constant lr is context, not part of the claim.
 
 # %%
 def cosine_beats(base_lr, other):
@@ -739,28 +740,39 @@ def losses_at(base_lr):
 
 claims.check(
     "E5",
-    verdict=("holds" if all(beats_constant.values()) else "partly") if all(beats_step.values())
-    else ("partly" if any(beats_step.values()) else "does-not-hold"),
+    verdict="holds" if all(beats_step.values()) else ("partly" if any(beats_step.values()) else "does-not-hold"),
     evidence=(
         f"SGD, {epochs} epochs on digits, {seeds} seeds, final training loss at base lr {base_lrs[0]:g}: "
         f"{losses_at(base_lrs[0])}; at base lr {base_lrs[1]:g}: {losses_at(base_lrs[1])}. Cosine beat StepLR on "
-        f"every seed: {beats_step[base_lrs[0]]} / {beats_step[base_lrs[1]]}; beat a constant lr: "
+        f"every seed: {beats_step[base_lrs[0]]} / {beats_step[base_lrs[1]]}; beat a constant lr (context): "
         f"{beats_constant[base_lrs[0]]} / {beats_constant[base_lrs[1]]} (lr sums over the run: StepLR "
         f"{sum(curves['StepLR']) / sgd_lr:.2f}, cosine {sum(curves['CosineAnnealingLR']) / sgd_lr:.2f} x base lr)"
     ),
 )
 
+
 # %% [markdown]
-# **What to take from it.** A schedule is a choice with a cost, not a fix: the two give the run
-# different amounts of learning rate at different times, and which one wins moves with the base lr
-# and the budget. Compare them on your own task, over seeds, as above
-# (`python -m labkit repro 06_optimizers_weight_decay -p sgd_lr 0.3 --sweep seed=0,1,2` reruns it).
+# **What to take from it.** Per base lr, whether cosine ended below StepLR and below a constant lr on
+# every seed, and its mean test-accuracy edge over StepLR:
 
 # %%
+def mean_of(base_lr, kind, key):
+    return statistics.mean(r[key] for r in schedule_results[base_lr, kind])
+
+
 for base_lr in base_lrs:
     print(f"base lr {base_lr:g}: cosine below StepLR on every seed: {beats_step[base_lr]}; "
-          f"below a constant lr too: {beats_constant[base_lr]}")
+          f"below a constant lr too: {beats_constant[base_lr]}; test accuracy against StepLR "
+          f"{mean_of(base_lr, 'CosineAnnealingLR', 'acc') - mean_of(base_lr, 'StepLR', 'acc'):+.1%}")
 
+
+# %% [markdown]
+# With the default parameters cosine ended below StepLR on every seed at both base lrs, with higher
+# mean test accuracy: on this task the switch the article recommends paid. It also gives the run more
+# learning rate in total (the sums above), so part of its edge may be that rather than the shape of
+# the curve. Against a constant lr it won at base lr 1 but not at 0.1, where the constant lr's larger
+# total mattered more. Compare schedules on your own task, over seeds, as above
+# (`python -m labkit repro 06_optimizers_weight_decay -p sgd_lr 0.3 --sweep seed=0,1,2` reruns it).
 
 # %% [markdown]
 # ## Exercises
@@ -880,7 +892,7 @@ claims.table()
 #   Per-layer decay values are parameter groups; give biases and normalisation parameters none.
 # - Per-layer step sizes under AdamW do differ (E3); watch the update:data ratio per layer. Warmup
 #   scales every layer alike; on this task it was not needed.
-# - StepLR versus CosineAnnealingLR (E5) is a trade-off in how much learning rate the run gets when;
-#   measure it over seeds on your task.
+# - Switching StepLR to CosineAnnealingLR (E5) ended lower on every seed at both base lrs here; cosine
+#   also gives the run more total learning rate, so measure it over seeds on your own task.
 # - Rerun with `python -m labkit repro 06_optimizers_weight_decay -p bug False`: `blank_weight_ratio`
 #   (the blank-pixel weights' norm after/before) and `test_acc` per run.

@@ -76,8 +76,9 @@ print(claims.case("J1").claim)
 # A warp is 32 GPU threads that issue the same instruction together. Nothing maps one sample to
 # one thread: a linear layer's forward is a matrix product whose rows are the batch, and cuBLAS
 # covers the output with tiles of, typically, 64 or 128 rows. A batch of 97 rows leaves part of
-# its last tile idle, so it can cost up to what the next tile size costs: a step in time per
-# batch, never a collapse of throughput. Whether there is any step is a measurement.
+# its last tile idle, so from that picture one would expect it to cost up to what the next tile
+# size costs, a step in time per batch rather than a collapse of throughput. That is a prediction,
+# not a result: whether there is a step, or a collapse, is what the measurement below decides.
 #
 # **Reproduce and measure.** Forward and backward of an MLP (`timing_width` wide on a GPU) at
 # each size in `timing_batches`, timed with `labkit.probes.measure_time` (CUDA events on a GPU)

@@ -559,7 +559,7 @@ print("warnings:", "; ".join(str(w.message).split(". ")[0] for w in caught) or "
 
 # %% [markdown]
 # `checkpoint`'s first argument is the *function* to recompute; the pass hands it a tensor, and
-# torch 2.13 (which also warns that `use_reentrant` must be passed) tries to call it. The literal
+# the installed torch (which also warns that `use_reentrant` must be passed) tries to call it. The literal
 # repair, `checkpoint(F.relu, x, use_reentrant=False)`, runs; and the approach that works wraps a
 # whole block. Both as fx passes, the second with a tracer that keeps each `FeedForward` as one
 # node:
@@ -666,6 +666,14 @@ checkpointed_time = step_time(checkpoint_block_pass(FeedForwardStack(ffn_width, 
 print(f"{dev.type}: plain {plain_time}; checkpointed blocks {checkpointed_time}; "
       f"ratio {checkpointed_time.median_s / plain_time.median_s:.2f}")
 
+# %% [markdown]
+# The clock need not agree with the FLOP count above, nor with the article's 12%: recomputation
+# also launches every kernel of a block a second time and allocates its activations again, and a
+# step on a shared CPU moves by tens of percent between runs (the spread is printed beside each
+# median). The run stored here on the CPU has the checkpointed step well above both the FLOP ratio
+# and the article's 12%, with a spread too wide to pin the ratio down. That is why the verdict below
+# rests on memory and FLOPs, which are exact, and states no time cost.
+
 # %%
 relu_ratio = kept_after_forward["checkpointed ReLU"] / plain_bytes
 block_ratio = kept_after_forward["checkpointed blocks"] / plain_bytes
@@ -697,7 +705,7 @@ claims.check(
 print(claims.case("K5").claim)
 
 # %% [markdown]
-# What the mode is, in torch 2.13's own documentation of `torch.compile`:
+# What the mode is, in the installed torch's own documentation of `torch.compile`:
 
 # %%
 doc = " ".join(torch.compile.__doc__.split())
@@ -705,55 +713,87 @@ reduce_overhead = re.search(r'- "reduce-overhead" (.*?)- "max-autotune"', doc).g
 print(reduce_overhead.strip())
 mentions_memory_cost = "more memory" in reduce_overhead and "CUDA" in reduce_overhead
 
-
 # %% [markdown]
 # So on a CPU it compiles like the default mode, and on a GPU it adds CUDA graphs, which keep their
 # inputs, outputs and workspace in a memory pool of their own. Compiling is too slow for this
-# notebook's CPU budget, so the measurement runs on a GPU: an MLP's training step eager, compiled
-# in the default mode and in reduce-overhead, with the allocator's peak and what the caching
-# allocator reserves.
+# notebook's CPU budget, so the measurement runs on a GPU: an MLP's training step eager, compiled in
+# the default mode and in reduce-overhead. Each mode runs in a process of its own, so no mode
+# inherits another's cached blocks, compiled graphs or CUDA-graph pool, and each reports its peak
+# allocated and peak reserved memory, over the whole run (compilation and graph recording included)
+# and over three steady-state steps after the allocator's peak counters are reset.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-def compiled_step_memory(mode):
-    torch._dynamo.reset()
-    torch.manual_seed(seed)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(4096, 4096), nn.ReLU()) for _ in range(4)]).to(dev)
-    runner = model if mode == "eager" else torch.compile(model, mode=mode)
-    x = torch.randn(64, 4096).to(dev)
+ONE_MODE_SCRIPT = """
+import json, sys
+import torch
+from torch import nn
 
-    def step():
-        runner(x).square().mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    for _ in range(3):  # compile, record the CUDA graphs, replay once
-        step()
-    torch.cuda.synchronize(dev)
-    peak = memory.peak_bytes_during(step, dev)
-    return peak, torch.cuda.memory_reserved(dev)
+mode, seed, device = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+dev = torch.device(device)
+torch.manual_seed(seed)
+model = nn.Sequential(*[nn.Sequential(nn.Linear(4096, 4096), nn.ReLU()) for _ in range(4)]).to(dev)
+runner = model if mode == "eager" else torch.compile(model, mode=mode)
+x = torch.randn(64, 4096).to(dev)
 
 
+def step():
+    runner(x).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+
+
+for _ in range(3):  # compile, record the CUDA graphs, replay once
+    step()
+torch.cuda.synchronize(dev)
+run_peaks = (torch.cuda.max_memory_allocated(dev), torch.cuda.max_memory_reserved(dev))
+torch.cuda.reset_peak_memory_stats(dev)
+for _ in range(3):
+    step()
+torch.cuda.synchronize(dev)
+print(json.dumps({"run_peak_allocated": run_peaks[0], "run_peak_reserved": run_peaks[1],
+                  "steady_peak_allocated": torch.cuda.max_memory_allocated(dev),
+                  "steady_peak_reserved": torch.cuda.max_memory_reserved(dev)}))
+"""
+
+
+def one_mode_memory(mode):
+    """Peak allocated/reserved bytes of a training step under `mode`, from a fresh Python process."""
+    import json
+    import subprocess
+    import sys
+
+    finished = subprocess.run([sys.executable, "-c", ONE_MODE_SCRIPT, mode, str(seed), str(dev)],
+                              capture_output=True, text=True, timeout=300)
+    if finished.returncode != 0:
+        raise RuntimeError(f"the {mode} memory run failed: {finished.stderr.strip().splitlines()[-1:]}")
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
+COMPILE_MODES = ("eager", "default", "reduce-overhead")
 if dev.type == "cuda":
-    import torch._inductor
-
-    print("reduce-overhead adds:", torch._inductor.list_mode_options("reduce-overhead"))
-    compile_memory = {mode: compiled_step_memory(mode) for mode in ("eager", "default", "reduce-overhead")}
-    for mode, (peak, reserved) in compile_memory.items():
-        print(f"{mode:<16} peak rise during a step {peak}; reserved {reserved / 2**20:,.0f} MiB")
+    compile_memory = {mode: one_mode_memory(mode) for mode in COMPILE_MODES}
+    for mode, peaks in compile_memory.items():
+        print(f"{mode:<16} " + ", ".join(f"{key.replace('_', ' ')} {value / 2**20:,.0f} MiB" for key, value in peaks.items()))
 else:
-    print("no CUDA device here: CUDA graphs' memory is measured on the GPU runner")
+    print("no CUDA device here: CUDA graphs' memory is measured on a GPU")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 if dev.type == "cuda":
-    eager_reserved, graphs_reserved = compile_memory["eager"][1], compile_memory["reduce-overhead"][1]
+    eager_peaks, graphs_peaks = compile_memory["eager"], compile_memory["reduce-overhead"]
+    relative = {key: graphs_peaks[key] / eager_peaks[key] for key in eager_peaks}
+    lowers_memory = all(ratio <= 0.9 for ratio in relative.values())
+    never_raises = all(ratio < 1.0 for ratio in relative.values())
     claims.check(
         "K5",
-        verdict="does-not-hold" if graphs_reserved >= eager_reserved else "partly",
+        verdict="holds" if lowers_memory else ("partly" if never_raises else "does-not-hold"),
         evidence=(
-            f"{torch.cuda.get_device_name(dev)}, 4-layer MLP step: reserved memory eager {eager_reserved / 2**20:,.0f} "
-            f"MiB, default compile {compile_memory['default'][1] / 2**20:,.0f} MiB, reduce-overhead "
-            f"{graphs_reserved / 2**20:,.0f} MiB; peak rise " + ", ".join(f"{m} {p}" for m, (p, _) in compile_memory.items())
+            f"{torch.cuda.get_device_name(dev)}, 4-layer MLP training step, one fresh process per mode: "
+            + "; ".join(f"{mode} " + ", ".join(f"{key.replace('_', ' ')} {value / 2**20:,.0f} MiB"
+                                               for key, value in peaks.items())
+                        for mode, peaks in compile_memory.items())
+            + "; reduce-overhead against eager: " + ", ".join(f"{key.replace('_', ' ')} {ratio:.2f}x"
+                                                            for key, ratio in relative.items())
             + "; torch's documentation says reduce-overhead can cost more memory"
         ),
         device_dependent=True,
@@ -763,9 +803,10 @@ else:
         "K5",
         verdict="needs-gpu",
         evidence=(
-            f"the installed torch documents reduce-overhead as CUDA graphs for CUDA-only graphs that can cost more memory "
-            f"(both stated: {mentions_memory_cost}); on a CPU it is the default mode, so the memory comparison "
-            "runs on the GPU runner"
+            f"the installed torch documents reduce-overhead as CUDA graphs that can cost more memory "
+            f"(both stated: {mentions_memory_cost}); on a CPU it is the default mode. On a GPU the notebook runs an "
+            "MLP training step eager, compiled (default) and compiled (reduce-overhead), each in a fresh process, "
+            "and compares peak allocated and peak reserved memory (whole run and steady state) against eager"
         ),
         device_dependent=True,
     )

@@ -51,7 +51,7 @@ WAIT_S = 60
 
 # %% [markdown]
 # ## What a worker is
-# In torch 2.13 a worker process (started with `fork` on Linux) runs the loop in
+# In the installed torch a worker process (started with `fork` on Linux) runs the loop in
 # `torch/utils/data/_utils/worker.py`. Before it calls your `worker_init_fn` it sets torch to **one
 # thread**, seeds Python's `random` and torch with `base_seed + worker_id`, and seeds NumPy's global
 # state from the same pair. `base_seed` is drawn from the main process's torch generator each time
@@ -251,7 +251,7 @@ print(claims.case("I2").claim)
 # %% [markdown]
 # **What `prefetch_factor` is.** Each worker keeps up to `prefetch_factor` batches in flight, so
 # `num_workers × prefetch_factor` batches are loading or waiting at any time. Its default, read
-# from the DataLoader torch 2.13 builds:
+# from the DataLoader the installed torch builds:
 
 # %%
 slow_default = DataLoader(TensorDataset(torch.zeros(4)))
@@ -438,7 +438,7 @@ claims.metric("duplicated_share", duplicated_share(reproduction))
 
 # %% [markdown]
 # **Measure.** Four loaders over the same images: the generator owned by the dataset, NumPy's
-# global generator (which torch 2.13 seeds in each worker), the owned generator with the usual
+# global generator (which the installed torch seeds in each worker), the owned generator with the usual
 # quoted fix (seeding NumPy's global state in `worker_init_fn`), and the owned generator reseeded
 # per worker from `get_worker_info().seed`.
 
@@ -460,7 +460,7 @@ for name, (duplicated, repeated) in shares.items():
 # Each worker got a copy of the dataset, generator included, in the same state, so worker 0 and
 # worker 1 drew the same noise for their first samples, their second, and so on. And with workers
 # restarted each epoch, every epoch began from that same copy again: the "random" augmentation
-# repeats epoch after epoch. NumPy's *global* state does not have this problem in torch 2.13,
+# repeats epoch after epoch. NumPy's *global* state does not have this problem in the installed torch,
 # because each worker's loop seeds it. Seeding it once more in `worker_init_fn`, the fix usually
 # quoted, leaves the generator the dataset owns exactly as it was copied.
 
@@ -495,7 +495,7 @@ claims.check(
 print(claims.case("I4").claim)
 
 # %% [markdown]
-# **Reproduce and measure.** `torchdata` is not part of this stack; torch 2.13 itself still ships
+# **Reproduce and measure.** `torchdata` is not part of this stack; the installed torch itself still ships
 # the DataPipe classes under `torch.utils.data.datapipes`. We build the claimed pipeline from them,
 # with samples already on this notebook's device, and look at what `.collate()` returns and which
 # functional names a DataPipe has.
@@ -646,10 +646,10 @@ claims.table()
 #   they cannot zero a gradient.
 # - `prefetch_factor` already defaults to 2 with workers. More workers help while producing items is
 #   the bottleneck; measure samples/s against `num_workers` before and after (I2).
-# - torch 2.13 seeds `random`, torch and NumPy's global state in every worker. A random generator
+# - The installed torch seeds `random`, torch and NumPy's global state in every worker. A random generator
 #   the dataset owns is copied into every worker in the same state: augmentations repeat across
 #   workers and across epochs until a `worker_init_fn` reseeds it from `get_worker_info().seed` (I3).
-# - DataPipe `.collate()` batches; it does not move data to a device, and torch 2.13 has no
+# - DataPipe `.collate()` batches; it does not move data to a device, and the installed torch has no
 #   `.prefetch`. Move batches in the loop, with `pin_memory=True` and `non_blocking=True` (I4).
 # - An `IterableDataset` runs in full in every worker unless its `__iter__` splits the work by
 #   `get_worker_info()` (exercise 14.2).
