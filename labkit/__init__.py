@@ -23,7 +23,7 @@ from labkit.errors import LabkitError
 # The torch releases labkit is tested on: pyproject.toml's range (tests/test_install.py keeps the two
 # equal). Below it the instruments fail in obscure places (labkit/_torch_compat.py reads private torch
 # APIs), so import refuses; above it they may work, so import only warns.
-_SUPPORTED_TORCH = ((2, 13), (2, 16))  # lowest supported minor release, first unsupported one
+_SUPPORTED_TORCH = ((2, 11), (2, 16))  # lowest supported minor release, first unsupported one
 
 
 def _check_torch_version(version: str) -> None:
