@@ -10,15 +10,29 @@ NB ?=
 PREFER ?=
 NAME ?= workbook
 CHROMIUM := /usr/bin/chromium
+# make test-compat: the newest releases pyproject.toml admits (constraints-latest.txt, resolved for 3.12).
+# The first python3.12 that runs: on PATH, else one that pyenv installed (pyenv's shim fails where 3.12 is
+# not the selected version).
+COMPAT_PYTHON ?= $(firstword $(foreach candidate,$(shell command -v python3.12) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(candidate) -c 'print("$(candidate)")' 2>/dev/null)))
+COMPAT_VENV := .venv-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-stamp
+# PIP_CONFIG_FILE=/dev/null: pip reads no configuration file, so a machine-wide pin or cap (a course
+# image's constraint file, a local mirror) cannot hold the newest releases back.
+COMPAT_PIP := PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip --isolated
+# The CUDA build of torch logs "No CUDA runtime is found" on stderr when it finds a CUDA toolkit (CUDA_HOME,
+# nvcc on PATH, /usr/local/cuda) on a machine without a GPU; an extra stderr output fails nbval, and no
+# sanitiser can remove a whole stream. CUDA_HOME and CUDA_PATH set but empty stop that search (torch then
+# compiles no CUDA extension, which no notebook does), so nbval compares the outputs the notebooks wrote.
+COMPAT_ENV := CUDA_HOME= CUDA_PATH=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup hooks lab notebooks workbook test test-unit test-notebooks test-browser test-gpu lint api student bench repro clean
+.PHONY: help setup hooks lab notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml constraints.txt
-	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "Gradient Lab needs Python 3.11, found " + sys.version.split()[0]'
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "make setup installs constraints.txt, the lock resolved for Python 3.11, and found Python " + sys.version.split()[0] + ": install Python 3.11 or pass PYTHON=/path/to/python3.11 (README, Install)"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[dev]'
 	@touch $(STAMP)
@@ -58,6 +72,18 @@ test-browser: $(STAMP) ## JupyterLab in headless Chromium: Run All, move a slide
 test-notebooks: $(STAMP) ## only nbval over the notebooks (NB=05 for one)
 	$(PY) -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
 
+$(COMPAT_STAMP): pyproject.toml constraints-latest.txt
+	@test -n "$(COMPAT_PYTHON)" && $(COMPAT_PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null \
+		|| { echo "make test-compat needs Python 3.12 (constraints-latest.txt is resolved for it) and found none at COMPAT_PYTHON='$(COMPAT_PYTHON)': install Python 3.12 (pyenv install 3.12, apt install python3.12, brew install python@3.12) or pass COMPAT_PYTHON=/path/to/python3.12"; exit 2; }
+	rm -rf $(COMPAT_VENV)
+	$(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PIP) install --quiet --constraint constraints-latest.txt --editable '.[dev]'
+	@touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP) ## unit tests and nbval on the newest releases (Python 3.12, constraints-latest.txt, ~3 GB)
+	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest tests -q --ignore=tests/browser
+	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
+
 test-gpu: ## GPU-marked tests, nbval over the notebooks and the probe benchmark on a CUDA machine (skips with the reason elsewhere)
 	bash .ci/gpu-runner
 
@@ -78,5 +104,5 @@ repro: $(STAMP) ## rerun one notebook: make repro NB=00_start_here P="-p seed 3 
 	$(PY) -m labkit repro $(NB) $(P)
 
 clean: ## remove .venv, runs/, student/ and caches
-	rm -rf $(VENV) runs student .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) runs student .pytest_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

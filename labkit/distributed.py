@@ -51,7 +51,9 @@ from labkit.messages import first_line
 __all__ = ["RankFailure", "run_ranks"]
 
 BACKEND = "gloo"
-LOOPBACK_INTERFACE = "lo"
+# gloo is pinned to the loopback interface so that nothing listens beyond this machine; Linux names it
+# lo, macOS and the BSDs lo0.
+LOOPBACK_INTERFACES = ("lo", "lo0")
 # After the first failure, how long to wait for the other ranks' news before stopping them: it lets
 # the report say which rank died first rather than only which one noticed.
 SETTLE_SECONDS = 1.0
@@ -130,11 +132,19 @@ def _check_request(fn: Callable, world_size: int, args: tuple, timeout: float) -
         raise LabkitError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if "fork" not in multiprocessing.get_all_start_methods():
         raise LabkitError("run_ranks forks its ranks, and this platform cannot fork; run it on Linux or macOS")
-    if LOOPBACK_INTERFACE not in {name for _, name in socket.if_nameindex()}:
-        raise LabkitError(
-            f"no network interface named {LOOPBACK_INTERFACE!r}: gloo is pinned to the loopback interface "
-            "so that nothing listens beyond this machine"
-        )
+    loopback_interface()
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback network interface (lo on Linux, lo0 on macOS), for gloo."""
+    present = [name for _, name in socket.if_nameindex()]
+    for name in LOOPBACK_INTERFACES:
+        if name in present:
+            return name
+    raise LabkitError(
+        f"no loopback network interface ({' or '.join(LOOPBACK_INTERFACES)}) among this machine's interfaces "
+        f"{present}: gloo is pinned to the loopback interface so that nothing listens beyond this machine"
+    )
 
 
 def _start(ranks: list[_Rank], fn: Callable, world_size: int, args: tuple, timeout: float, scratch: Path) -> None:
@@ -160,7 +170,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, args: tuple, store_path
     """The body of one forked rank: join the group, run fn, send back ("ok", value) or ("raised", ...)."""
     _die_with_parent(parent_pid)
     _write_output_to(log_path)
-    os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK_INTERFACE
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     # Two ranks sharing a couple of cores run faster single-threaded, and a forked OpenMP pool is unsafe.
     torch.set_num_threads(1)
     reported = False

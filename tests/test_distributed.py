@@ -187,3 +187,37 @@ def test_the_report_is_formatted_once_from_each_rank_s_structured_outcome():
                            "then rank 0 raised ValueError, rank 2 was still running when it was stopped. "
                            "All 3 rank processes have been stopped.")
     assert report.failures[0] == "raised ValueError: x: y (its log ends: z)"
+
+
+# ---- The loopback interface gloo is pinned to: found by name on each OS (lo on Linux, lo0 on macOS) ----
+
+@pytest.fixture
+def distributed():
+    from labkit import distributed
+
+    return distributed
+
+
+@pytest.mark.parametrize(
+    ("interfaces", "expected"),
+    [
+        ([(1, "lo"), (2, "eth0")], "lo"),  # Linux
+        ([(1, "lo0"), (2, "gif0"), (3, "en0")], "lo0"),  # macOS
+    ],
+)
+def test_the_loopback_interface_is_the_one_this_os_has(monkeypatch, distributed, interfaces, expected):
+    monkeypatch.setattr(distributed.socket, "if_nameindex", lambda: interfaces)
+    assert distributed.loopback_interface() == expected
+
+
+def test_a_machine_without_a_loopback_interface_is_refused_before_any_process_starts(monkeypatch, distributed):
+    monkeypatch.setattr(distributed.socket, "if_nameindex", lambda: [(2, "eth0")])
+    monkeypatch.setattr(distributed, "_start", lambda *args: pytest.fail("ranks started without a loopback"))
+    with pytest.raises(LabkitError, match=r"no loopback network interface \(lo or lo0\).*'eth0'"):
+        run_ranks(sum_of_ranks, 2, timeout=5)
+
+
+def test_the_ranks_use_the_detected_interface(distributed):
+    # The name the OS has is the one gloo is told to use: a rank reports its GLOO_SOCKET_IFNAME.
+    assert run_ranks(lambda rank, world_size: os.environ["GLOO_SOCKET_IFNAME"], 2, timeout=30) == [
+        distributed.loopback_interface()] * 2

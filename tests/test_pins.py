@@ -1,49 +1,92 @@
-"""The pins are the course's reproducibility: pyproject, environment.yml and the lock must agree."""
+"""pyproject.toml declares ranges; constraints.txt (the course's lock) and constraints-latest.txt (the newest
+releases) pin every package exactly, and each pin must lie inside its range. environment.yml repeats the lock."""
 
 import re
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def pyproject_pins():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return project["dependencies"] + project["optional-dependencies"]["dev"]
-
-
-def test_every_direct_dependency_is_pinned_exactly():
-    loose = [p for p in pyproject_pins() if not re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", p)]
-    assert not loose, f"pin these exactly with ==: {loose}"
-
-
-def test_torch_is_the_course_version():
-    assert "torch==2.13.0" in pyproject_pins()
-
-
-def test_environment_yml_lists_the_same_pins():
-    env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    conda_pins = sorted(line for line in pip_section if "==" in line)
-    assert conda_pins == sorted(pyproject_pins())
-    assert "python=3.11" in env["dependencies"]
+LOCKS = ["constraints.txt", "constraints-latest.txt"]
 
 
 def normalise(name):
-    """pip's spelling rule: PyYAML, pyyaml and py_yaml name one package."""
-    return name.lower().replace("_", "-")
+    """pip's spelling rule (PEP 503): PyYAML, pyyaml and py_yaml name one package."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def test_lock_file_agrees_with_direct_pins():
-    locked = dict(
-        line.split("==", 1) for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line
-    )
-    locked = {normalise(k): v for k, v in locked.items()}
-    for pin in pyproject_pins():
-        name, version = pin.split("==")
-        assert locked.get(normalise(name)) == version, f"constraints.txt disagrees with pyproject on {name}"
+def project():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def declared_requirements():
+    """Every requirement pyproject declares, core and extras, except the extras' references to labkit itself."""
+    table = project()
+    requirements = [Requirement(line) for line in table["dependencies"]]
+    for extra in table["optional-dependencies"].values():
+        requirements += [Requirement(line) for line in extra if Requirement(line).name != "labkit"]
+    return requirements
+
+
+def lock(file):
+    pins = {}
+    for line in (ROOT / file).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[normalise(name)] = version
+    return pins
+
+
+def test_the_extras_install_today_s_full_set():
+    # make setup installs .[dev]; dev pulls lab and runner, so setup still installs every package it did.
+    extras = project()["optional-dependencies"]
+    assert "labkit[lab,runner]" in extras["dev"]
+    core = {normalise(r.name) for r in map(Requirement, project()["dependencies"])}
+    assert {"torch", "numpy", "matplotlib", "psutil"} <= core
+    assert not core & {"jupyterlab", "papermill", "nbformat", "pytest"}, "core must not pull a Jupyter stack"
+
+
+def test_every_range_has_a_lower_bound():
+    unbounded = [str(r) for r in declared_requirements() if not any(s.operator in (">=", "==", "~=") for s in r.specifier)]
+    assert not unbounded, f"give these the lowest release the tests pass on: {unbounded}"
+
+
+@pytest.mark.parametrize("file", LOCKS)
+def test_every_lock_pin_satisfies_the_declared_ranges(file):
+    pins = lock(file)
+    missing = [r.name for r in declared_requirements() if normalise(r.name) not in pins]
+    assert not missing, f"{file} does not pin {missing}"
+    outside = [f"{r.name}=={pins[normalise(r.name)]} (declared {r.specifier})"
+               for r in declared_requirements() if not r.specifier.contains(pins[normalise(r.name)], prereleases=True)]
+    assert not outside, f"{file} pins releases pyproject.toml does not admit: {outside}"
+
+
+@pytest.mark.parametrize("file", LOCKS)
+def test_each_lock_pins_exactly_and_once(file):
+    names = [normalise(line.split("==")[0]) for line in (ROOT / file).read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert len(names) == len(set(names)), f"{file} pins a package twice"
+    assert "labkit" not in names, f"{file} must not pin labkit itself"
+
+
+def test_the_course_lock_is_torch_2_13_and_the_latest_lock_is_newer():
+    assert lock("constraints.txt")["torch"] == "2.13.0"
+    latest = tuple(int(part) for part in lock("constraints-latest.txt")["torch"].split(".")[:2])
+    assert latest > (2, 13)
+
+
+def test_environment_yml_installs_the_course_lock():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    assert "python=3.11" in env["dependencies"]
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    pins = {normalise(line.split("==")[0]): line.split("==")[1] for line in pip_section if "==" in line}
+    locked = lock("constraints.txt")
+    disagree = {name: (version, locked.get(name)) for name, version in pins.items() if locked.get(name) != version}
+    assert not disagree, f"environment.yml disagrees with constraints.txt (yml, lock): {disagree}"
+    assert {normalise(r.name) for r in declared_requirements()} <= set(pins), "environment.yml misses a direct dependency"
 
 
 def test_git_hooks_run_pinned_local_tools_and_download_nothing():
@@ -54,6 +97,6 @@ def test_git_hooks_run_pinned_local_tools_and_download_nothing():
     assert [repo["repo"] for repo in config["repos"]] == ["local"]
     assert {hook["language"] for hook in hooks} == {"system"}
     assert not [hook["id"] for hook in hooks if "additional_dependencies" in hook]
-    pinned = {normalise(pin.split("==")[0]) for pin in pyproject_pins()}
+    declared = {normalise(r.name) for r in declared_requirements()}
     tools = {hook["entry"].split()[2] for hook in hooks if hook["entry"].startswith("python -m ")}
-    assert tools - {"labkit"} <= pinned, f"hooks run tools that pyproject does not pin: {tools - pinned}"
+    assert tools - {"labkit"} <= declared, f"hooks run tools that pyproject does not declare: {tools - declared}"

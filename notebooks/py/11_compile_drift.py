@@ -9,6 +9,19 @@
 # module out of compilation, and whether splitting large operations pays.
 
 # %%
+import sys
+
+try:  # labkit holds the workbook's instruments; without it, say how to install it (Colab: install it)
+    import labkit  # noqa: F401
+except ModuleNotFoundError as missing:
+    LABKIT = "labkit[lab] @ git+https://github.com/gradient-lab/gradient-lab"
+    if "google.colab" not in sys.modules:
+        raise ModuleNotFoundError(f'{missing}. Install the workbook for this kernel: `make setup` in the '
+                                  f'repository (README, Install), or "{sys.executable}" -m pip install "{LABKIT}"') from None
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LABKIT], check=True)
+
 import math
 import re
 from pathlib import Path

@@ -1,0 +1,166 @@
+"""Installing the workbook where learners are: the supported torch range, the notebooks' first cell when
+labkit is missing (a clear message, or on Colab an install), and an install that keeps a supported torch."""
+
+import ast
+import json
+import subprocess
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import nbformat
+import pytest
+from packaging.requirements import Requirement
+
+import labkit
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+REPOSITORY = PYPROJECT["urls"]["Repository"]
+
+
+def first_code_cell(notebook):
+    return next(cell for cell in nbformat.read(notebook, as_version=4).cells if cell.cell_type == "code")
+
+
+def install_guard(notebook):
+    """The first cell's `try: import labkit ... except` statement, on its own."""
+    tree = ast.parse(first_code_cell(notebook).source)
+    guard = next(node for node in tree.body if isinstance(node, ast.Try))
+    return compile(ast.Module(body=[guard], type_ignores=[]), str(notebook), "exec")
+
+
+# ---- The supported torch range -------------------------------------------------------------------------
+
+def test_labkit_checks_the_torch_range_pyproject_declares():
+    torch_requirement = next(Requirement(line) for line in PYPROJECT["dependencies"] if line.startswith("torch"))
+    lowest, beyond = labkit._SUPPORTED_TORCH
+    assert str(torch_requirement.specifier) == f"<{beyond[0]}.{beyond[1]},>={lowest[0]}.{lowest[1]}"
+
+
+def import_labkit_under_torch(version):
+    code = f"import torch; torch.__version__ = {version!r}; import labkit"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_a_torch_below_the_range_makes_import_refuse_with_the_range():
+    result = import_labkit_under_torch("2.10.2+cpu")
+    assert result.returncode != 0
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("labkit.errors.LabkitError: labkit needs torch>=2.11,<2.16")
+    assert "torch 2.10.2+cpu" in last_line
+
+
+def test_a_torch_above_the_range_imports_with_a_warning():
+    result = import_labkit_under_torch("2.16.0")
+    assert result.returncode == 0, result.stderr
+    assert "labkit is tested on torch>=2.11,<2.16; torch 2.16.0 is newer" in result.stderr
+
+
+def test_the_installed_torch_imports_silently():
+    result = subprocess.run([sys.executable, "-W", "error", "-c", "import labkit"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+# ---- The notebooks' first cell ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
+def test_the_first_cell_guards_the_labkit_import_and_installs_from_the_declared_repository(notebook):
+    source = first_code_cell(notebook).source
+    assert source.startswith("import sys\n\ntry:"), "the guard must run before any other import"
+    assert f'"labkit[lab] @ git+{REPOSITORY}"' in source, "the install address must be pyproject's [project.urls]"
+
+
+@pytest.fixture
+def labkit_missing(monkeypatch):
+    """This process as a kernel whose Python has no labkit: `import labkit` raises ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "labkit", None)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
+def test_without_labkit_the_first_cell_stops_with_the_install_command(labkit_missing, notebook):
+    with pytest.raises(ModuleNotFoundError) as stopped:
+        exec(install_guard(notebook), {"sys": sys})
+    message = str(stopped.value)
+    assert "make setup" in message
+    assert f'"{sys.executable}" -m pip install "labkit[lab] @ git+{REPOSITORY}"' in message
+    assert stopped.value.__suppress_context__, "the message stands alone, without the import's own traceback"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
+def test_on_colab_the_first_cell_installs_labkit_from_the_repository(labkit_missing, monkeypatch, notebook):
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    commands = []
+    monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append((command, check)))
+    exec(install_guard(notebook), {"sys": sys})
+    assert commands == [([sys.executable, "-m", "pip", "install", "--quiet", f"labkit[lab] @ git+{REPOSITORY}"], True)]
+
+
+@pytest.mark.slow
+def test_papermill_stops_at_the_first_cell_in_a_kernel_without_labkit(tmp_path, monkeypatch):
+    # A kernel whose Python cannot import labkit (the project is installed editable into this venv, so the
+    # kernel blocks the name before IPython starts), as on a laptop or a hub that has only the .ipynb.
+    kernel_dir = tmp_path / "kernels" / "no-labkit"
+    kernel_dir.mkdir(parents=True)
+    launcher = "import sys; sys.modules['labkit'] = None; from ipykernel import kernelapp; kernelapp.launch_new_instance()"
+    (kernel_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-c", launcher, "-f", "{connection_file}"],
+        "display_name": "Python without labkit", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    import papermill
+
+    with pytest.raises(papermill.PapermillExecutionError) as failed:
+        papermill.execute_notebook(str(ROOT / "notebooks/00_start_here.ipynb"), str(tmp_path / "out.ipynb"),
+                                   kernel_name="no-labkit", cwd=str(tmp_path), progress_bar=False)
+    assert failed.value.exec_count == 1, "the run must stop at the first code cell"
+    assert failed.value.ename == "ModuleNotFoundError"
+    assert "make setup" in failed.value.evalue and f"git+{REPOSITORY}" in failed.value.evalue
+    executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    ran = [cell for cell in executed.cells if cell.cell_type == "code" and cell.get("execution_count")]
+    assert len(ran) == 1, "no later cell runs, so no cascade of NameErrors"
+
+
+# ---- pip keeps a supported torch that is already installed -------------------------------------------------
+
+@pytest.mark.slow
+def test_installing_the_project_keeps_a_supported_torch_already_there(tmp_path):
+    # An environment with torch 2.14.1 (inside the range, not the lock's 2.13.0): Colab, a course image.
+    # Only its metadata is needed for pip to see it installed.
+    venv = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    dist_info = site / "torch-2.14.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.14.1\n")
+    (dist_info / "INSTALLER").write_text("pip\n")
+    (dist_info / "RECORD").write_text("")
+    report = tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin/python"), "install", "--quiet", "--dry-run",
+         "--report", str(report), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    installs = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+                for item in json.loads(report.read_text())["install"]}
+    assert "labkit" in installs and "numpy" in installs, "the report must list what pip would install"
+    assert "torch" not in installs, f"pip would replace the installed torch 2.14.1 with {installs.get('torch')}"
+
+
+# ---- make test-compat without its Python -----------------------------------------------------------------
+
+def test_make_test_compat_without_python_3_12_names_the_python_to_install(tmp_path):
+    # Neither a missing interpreter nor one of another version gets as far as the recipe's rm -rf of
+    # .venv-compat. (A real 3.12 would rebuild it, so the test never passes one.)
+    other_version = tmp_path / "python3.12"
+    other_version.write_text("#!/bin/sh\nexit 1\n")  # answers like a Python whose version is not 3.12
+    other_version.chmod(0o755)
+    for python in ["/nonexistent/python3.12", other_version]:
+        result = subprocess.run(["make", "--no-print-directory", "-B", f"COMPAT_PYTHON={python}",
+                                 ".venv-compat/.installed-stamp"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "make test-compat needs Python 3.12" in result.stdout
+        assert "pyenv install 3.12" in result.stdout
