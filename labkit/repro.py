@@ -1,6 +1,8 @@
 """Reproducible runs: seeding, device choice and deterministic kernels, what every notebook needs.
 
-Every notebook starts with `dev = repro.setup(seed=seed, device=device)`. Rerunning a notebook
+Every notebook starts with `repro.check_parameters(globals())` (`labkit.parameters`: the values
+papermill or a learner gave, checked against the parameters cell) and `dev = repro.setup(seed=seed,
+device=device)`. Rerunning a notebook
 with other parameters, sweeps and the workbook run live in `labkit.runner`; notebook files in
 `labkit.notebooks`. Taught in `00_start_here`.
 """
@@ -18,8 +20,9 @@ import torch
 
 from labkit.devices import resolve_device
 from labkit.errors import LabkitError
+from labkit.parameters import check_parameters
 
-__all__ = ["fastest_kernels", "pick_device", "seed_everything", "setup"]
+__all__ = ["check_parameters", "fastest_kernels", "pick_device", "seed_everything", "setup"]
 
 pick_device = resolve_device
 """`labkit.devices.resolve_device` under the name repro gave it first."""

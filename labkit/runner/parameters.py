@@ -1,19 +1,21 @@
-"""A notebook's parameters cell: its defaults, and given values checked against them.
+"""A notebook's parameters cell read from its file, and given values checked against it.
 
-`python -m labkit repro -p NAME VALUE` and sweeps accept only the names the cell assigns, with
-values of the default's type, so a typo fails before a run instead of being silently ignored.
+`python -m labkit repro -p NAME VALUE` and sweeps accept only the names the cell declares, with
+values of the declared type within the declared bounds, so a typo fails before a run instead of
+being silently ignored. Declarations and checks are `labkit.parameters`, the same ones the
+notebook's own `check_parameters` cell applies in the kernel.
 """
 
 from __future__ import annotations
 
 import ast
-import math
 from pathlib import Path
 
 from labkit.errors import LabkitError
 from labkit.notebooks import read_notebook_json
+from labkit.parameters import Parameter, check_values, declared_parameters
 
-__all__ = ["notebook_parameters", "parameters_cell", "parse_value", "validate_parameters"]
+__all__ = ["notebook_declarations", "notebook_parameters", "parameters_cell", "parse_value", "validate_parameters"]
 
 
 def parameters_cell(nb: dict, where: str = "notebook") -> dict:
@@ -24,44 +26,23 @@ def parameters_cell(nb: dict, where: str = "notebook") -> dict:
     return tagged[0]
 
 
-def notebook_parameters(path: str | Path) -> dict[str, object]:
-    """Name -> default value of a notebook's parameters cell (literal assignments only)."""
+def notebook_declarations(path: str | Path) -> dict[str, Parameter]:
+    """Name -> `labkit.parameters.Parameter` (type, default, help, bounds) of a notebook's parameters cell."""
     path = Path(path)
-    nb = read_notebook_json(path)
-    source = "".join(parameters_cell(nb, str(path))["source"])
-    params = {}
-    for node in ast.parse(source).body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            raise LabkitError(f"{path}: the parameters cell may hold only `name = literal` lines, found {ast.unparse(node)!r}")
-        try:
-            params[node.targets[0].id] = ast.literal_eval(node.value)
-        except ValueError as error:
-            raise LabkitError(f"{path}: parameter {node.targets[0].id} is not a literal: {error}") from error
-    return params
+    cell = parameters_cell(read_notebook_json(path), str(path))
+    source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+    return declared_parameters(source, f"{path}: the parameters cell")
+
+
+def notebook_parameters(path: str | Path) -> dict[str, object]:
+    """Name -> default value of a notebook's parameters cell."""
+    return {name: parameter.default for name, parameter in notebook_declarations(path).items()}
 
 
 def validate_parameters(path: str | Path, given: dict[str, object]) -> dict[str, object]:
-    """Check `given` against the notebook's parameters cell: known names, matching types."""
-    defaults = notebook_parameters(path)
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        allowed = ", ".join(f"{k} (default {v!r})" for k, v in defaults.items())
-        raise LabkitError(f"{Path(path).name} has no parameter {', '.join(unknown)}; allowed: {allowed}")
-    return {name: _coerce(name, value, defaults[name]) for name, value in given.items()}
-
-
-def _coerce(name: str, value: object, default: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise LabkitError(f"parameter {name} must be a finite number, got {value!r}: a run records its "
-                          "parameters as JSON, which has no inf or nan; pass a large finite value instead")
-    expected = type(default)
-    if default is None or isinstance(value, expected) and not (isinstance(value, bool) and expected is int):
-        return value
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    raise LabkitError(
-        f"parameter {name} expects {expected.__name__} (default {default!r}), got {type(value).__name__} {value!r}"
-    )
+    """Check `given` against the notebook's parameters cell: known names, declared types and bounds
+    (`labkit.parameters.check_values`). Returns the values as the notebook takes them."""
+    return check_values(notebook_declarations(path), given, Path(path).name)
 
 
 def parse_value(text: str) -> object:

@@ -45,15 +45,16 @@ from labkit.progress import track
 # runs the reproduction with the planted bug; `bug=False` runs it without.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-features = 8
-samples = 64
-steps = 30
-lr = 0.05
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+features: int = 8  # input features of the regression, at least 1
+samples: int = 64  # regression samples, at least 1
+steps: int = 30  # SGD steps, at least 1
+lr: float = 0.05  # SGD learning rate, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %% [markdown]

@@ -1,0 +1,237 @@
+"""A notebook's parameters: their declared types, help and bounds, and given values checked against them.
+
+A parameters cell declares one parameter a line, in the typed form papermill's Python translator
+reads, so `papermill --help-notebook` and `papermill.inspect_notebook` show each type and help:
+
+    steps: int = 30  # training steps, at least 1
+
+The help's last comma-separated clauses may state bounds: `at least N`, `at most N`, `above N`,
+`below N` or `from N to M` (prefixed with `each` for a list). They are written once, there, and read by
+`declared_parameters` both for `python -m labkit repro` and for `check_parameters`, the call in the
+cell right after the parameters cell, which guards plain papermill too (papermill injects its values
+between the two). Taught in 00_start_here.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import io
+import math
+import operator
+import re
+import tokenize
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from labkit.errors import LabkitError
+
+__all__ = ["Parameter", "ParameterError", "check_parameters", "check_values", "declared_parameters"]
+
+SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+"""The annotations a parameter may carry: these, or `list[...]` of one of them."""
+
+_ANNOTATIONS = set(SCALAR_TYPES) | {f"list[{kind}]" for kind in SCALAR_TYPES}
+# What `ast.literal_eval` may return for the default of an untyped `name = literal` line.
+_UNTYPED_KINDS = {"list": list, "dict": dict, "tuple": tuple, "set": set, "bytes": bytes, "complex": complex}
+_BOUNDS = {"at least": operator.ge, "at most": operator.le, "above": operator.gt, "below": operator.lt}
+_NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
+_BOUND_CLAUSE = re.compile(rf"(?P<each>each )?(?:(?P<op>at least|at most|above|below) (?P<n>{_NUMBER})"
+                           rf"|from (?P<low>{_NUMBER}) to (?P<high>{_NUMBER}))")
+# papermill's own Python translator adds this comment on top of the cell it injects.
+_INJECTED_HEADER = "# Parameters"
+
+
+class ParameterError(LabkitError):
+    """A parameter a run was given that its notebook does not accept: one line naming it and the fix."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback: the one line is the whole story.
+        return [f"{type(self).__name__}: {self}"]
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One declared parameter: its type (an annotation such as "int" or "list[float]"), default, help, bounds."""
+
+    name: str
+    type: str
+    default: object
+    help: str = ""
+    bounds: tuple[tuple[str, float], ...] = ()
+
+    def check(self, value: object) -> object:
+        """`value` as this parameter takes it (an int for a float becomes a float), or a `ParameterError`."""
+        element = self.type[5:-1] if self.type.startswith("list[") else None
+        items = value if element and isinstance(value, list) else [value]
+        if not (_fits(self.type, value) and all(_fits(element or self.type, item) for item in items)):
+            raise ParameterError(f"parameter {self.name} expects {self._described()}, got "
+                                 f"{_given(value)}{_hint(self, value)}")
+        for item in items:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ParameterError(f"parameter {self.name} must be a finite number, got {item!r}: a run records "
+                                     "its parameters as JSON, which has no inf or nan; pass a large finite value instead")
+            for phrase, bound in self.bounds:
+                if not _BOUNDS[phrase](item, bound):
+                    must = "must have each element" if element else "must be"
+                    raise ParameterError(f"parameter {self.name} {must} {phrase} {bound:g}, got {value!r} "
+                                         f"(default {self.default!r})")
+        if element == "float":
+            return [float(item) for item in value]
+        return float(value) if self.type == "float" else value
+
+    def _described(self) -> str:
+        kind = f"a list of {self.type[5:-1]}" if self.type.startswith("list[") else _with_article(self.type)
+        return f"{kind} ({self.help}; default {self.default!r})" if self.help else f"{kind} (default {self.default!r})"
+
+
+def _with_article(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def _fits(kind: str, value: object) -> bool:
+    if kind == "any":
+        return True
+    if kind in ("int", "float") and isinstance(value, bool):
+        return False
+    if kind == "float":
+        return isinstance(value, (int, float))
+    return isinstance(value, SCALAR_TYPES.get(kind) or _UNTYPED_KINDS[kind.split("[")[0]])
+
+
+def _given(value: object) -> str:
+    return f"the string {value!r}" if isinstance(value, str) else f"{type(value).__name__} {value!r}"
+
+
+def _hint(parameter: Parameter, value: object) -> str:
+    """How to pass the value from a command line, where a string is what a careless `-p` gives."""
+    if not isinstance(value, str):
+        return ""
+    name = parameter.name
+    if parameter.type == "bool":
+        return f": pass -p {name} False (capitalised) or -y \"{name}: false\""
+    if parameter.type in ("int", "float"):
+        return f": pass a number, e.g. -p {name} {parameter.default!r}"
+    if parameter.type.startswith("list"):
+        return f": pass a list, e.g. -y \"{name}: {parameter.default!r}\""
+    return ""
+
+
+def declared_parameters(source: str, where: str = "the parameters cell") -> dict[str, Parameter]:
+    """Name -> `Parameter` for a parameters cell's source: one `name: type = literal  # help` a line
+    (the untyped `name = literal` is accepted too, typed by its default). Anything else, a type
+    papermill cannot show or a bound that does not parse is a `LabkitError` naming the line. Defaults are
+    not checked here: `check_values` does that with the values a run is given."""
+    comments = _comments(source, where)
+    lines = source.splitlines()
+    parameters = {}
+    for node in ast.parse(source).body:
+        parameter = _declaration(node, lines, comments, where)
+        parameters[parameter.name] = parameter
+    return parameters
+
+
+def _comments(source: str, where: str) -> dict[int, str]:
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError) as error:
+        raise LabkitError(f"{where} is not valid Python: {error}") from None
+    return {token.start[0]: token.string.lstrip("#").strip() for token in tokens if token.type == tokenize.COMMENT}
+
+
+def _declaration(node: ast.stmt, lines: list[str], comments: dict[int, str], where: str) -> Parameter:
+    line = ast.unparse(node)
+    annotated = isinstance(node, ast.AnnAssign) and node.value is not None and node.simple
+    plain = isinstance(node, ast.Assign) and len(node.targets) == 1
+    target = node.target if annotated else node.targets[0] if plain else None
+    if not isinstance(target, ast.Name):
+        raise LabkitError(f"{where} may hold only `name: type = literal  # help` lines, found {line!r}")
+    if node.lineno != node.end_lineno or lines[node.lineno - 1].count("=") != 1:
+        # papermill reads a parameter from one line and skips a line with a second '='
+        raise LabkitError(f"{where}: write {target.id} on one line with a single '=' (papermill skips others), "
+                          f"found {line!r}")
+    try:
+        default = ast.literal_eval(node.value)
+    except ValueError as error:
+        raise LabkitError(f"{where}: parameter {target.id} is not a literal: {error}") from None
+    kind = ast.unparse(node.annotation) if annotated else _kind_of(default)
+    if annotated and kind not in _ANNOTATIONS:
+        raise LabkitError(f"{where}: parameter {target.id} has type {kind!r}; use one of "
+                          f"{', '.join(SCALAR_TYPES)} or list[...] of one (types papermill can show)")
+    help_text = comments.get(node.lineno, "")
+    return Parameter(target.id, kind, default, help_text, _bounds(target.id, kind, help_text, where))
+
+
+def _kind_of(default: object) -> str:
+    return "any" if default is None else type(default).__name__
+
+
+def _bounds(name: str, kind: str, help_text: str, where: str) -> tuple[tuple[str, float], ...]:
+    bounds = []
+    for clause in reversed(help_text.split(", ")[1:]):
+        match = _BOUND_CLAUSE.fullmatch(clause.strip())
+        if not match:
+            break
+        numeric = kind.removeprefix("list[").removesuffix("]") in ("int", "float")
+        if not numeric or bool(match["each"]) != kind.startswith("list"):
+            raise LabkitError(f"{where}: parameter {name} ({kind}) cannot be {clause.strip()!r}: bounds are for "
+                              "numbers, and for a list of numbers they start with 'each'")
+        if match["op"]:
+            bounds.append((match["op"], float(match["n"])))
+        else:
+            bounds += [("at least", float(match["low"])), ("at most", float(match["high"]))]
+    return tuple(reversed(bounds))
+
+
+def check_values(declared: Mapping[str, Parameter], given: Mapping[str, object],
+                 where: str = "this notebook") -> dict[str, object]:
+    """`given` checked against `declared`: known names, declared types (an int passes for a float), bounds.
+    Returns the values as the notebook takes them; a `ParameterError` names the first one that is wrong."""
+    unknown = [name for name in given if name not in declared]
+    if unknown:
+        allowed = ", ".join(f"{p.name} (default {p.default!r})" for p in declared.values())
+        close = difflib.get_close_matches(unknown[0], list(declared), n=1)
+        suggestion = f". Did you mean {close[0]}?" if close else ""
+        raise ParameterError(f"{where} has no parameter {', '.join(unknown)}; allowed: {allowed}{suggestion}")
+    return {name: declared[name].check(value) for name, value in given.items()}
+
+
+def check_parameters(namespace: Mapping[str, object]) -> None:
+    """Check the notebook's parameters as its kernel holds them: call it as
+    `repro.check_parameters(globals())` in the cell right after the parameters cell.
+
+    It finds the parameters cell and any cell papermill injected after it in IPython's input
+    history, so plain papermill is checked as `python -m labkit repro` is: an injected name the
+    cell does not declare, a value of the wrong type or out of bounds raises a one-line
+    `ParameterError` naming the parameter. Taught in 00_start_here.
+    """
+    history = list(namespace.get("_ih") or [])[:-1]  # the last entry is the cell running this check
+    found = next(((i, declared) for i, declared in reversed(list(enumerate(map(_typed_cell, history))))
+                  if declared), None)
+    if found is None:
+        raise ParameterError("check_parameters found no typed parameters cell among the cells run so far: "
+                             "run the cell tagged 'parameters' first, then this one")
+    index, declared = found
+    missing = [name for name in declared if name not in namespace]
+    if missing:
+        raise ParameterError(f"parameter {missing[0]} is not defined: run the cell tagged 'parameters' again")
+    injected = {name for source in history[index + 1:] if source.startswith(_INJECTED_HEADER)
+                for name in _assigned_names(source)}
+    names = list(declared) + sorted(injected - set(declared))
+    check_values(declared, {name: namespace[name] for name in names if name in namespace})
+
+
+def _typed_cell(source: str) -> dict[str, Parameter] | None:
+    """The declarations of a cell made only of typed parameters, else None."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return None
+    if not body or not all(isinstance(node, ast.AnnAssign) for node in body):
+        return None
+    return declared_parameters(source, "the parameters cell")
+
+
+def _assigned_names(source: str) -> list[str]:
+    return [target.id for node in ast.parse(source).body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)]

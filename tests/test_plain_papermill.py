@@ -1,0 +1,167 @@
+"""Plain papermill, without labkit's runner: typed parameters it can show, and the notebook's own check.
+
+Every parameters cell is typed and commented so `papermill --help-notebook` shows types and help,
+and the cell after it starts with `repro.check_parameters(globals())`, which refuses what papermill
+injects unchecked (`-p bug false` is the string "false", an unknown name is only a warning). The
+logic is tested in-process on the cells papermill itself injects; four real papermill runs of
+00_start_here (three stop at the check cell, so they cost little more than a kernel start) prove it
+in a kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+from papermill.iorw import load_notebook_node
+from papermill.parameterize import parameterize_notebook
+
+from labkit.claims import METRIC_MIME
+from labkit.notebooks import stored_records, workbook_notebooks
+from labkit.parameters import ParameterError, check_parameters, check_values, declared_parameters
+from labkit.runner.parameters import notebook_declarations, parameters_cell, validate_parameters
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+START = NOTEBOOKS / "00_start_here.ipynb"
+CHECK_CALL = "repro.check_parameters(globals())"
+RUN_LIMIT_S = 300
+
+# What plain papermill gets wrong without the check, and the one line the check answers with.
+BAD_VALUES = [
+    pytest.param({"bug": "false"}, r"^parameter bug expects a bool .*got the string 'false': pass -p bug False "
+                 r"\(capitalised\) or -y \"bug: false\"$", id="bug-false-string"),
+    pytest.param({"steps": "ten"}, r"^parameter steps expects an int \(SGD steps, at least 1; default 30\), "
+                 r"got the string 'ten': pass a number, e.g. -p steps 30$", id="steps-ten"),
+    pytest.param({"stepz": 10}, r"^this notebook has no parameter stepz; allowed: seed \(default 0\), .*"
+                 r"bug \(default True\)\. Did you mean steps\?$", id="unknown-stepz"),
+    pytest.param({"steps": -5}, r"^parameter steps must be at least 1, got -5 \(default 30\)$", id="steps-negative"),
+]
+
+
+def _cell_after_parameters(nb) -> dict:
+    cells = nb["cells"]
+    return cells[cells.index(parameters_cell(nb)) + 1]
+
+
+@pytest.mark.parametrize("notebook", workbook_notebooks(NOTEBOOKS), ids=lambda p: p.stem)
+def test_every_parameter_is_typed_with_help_as_papermill_reads_it(notebook):
+    shown = papermill.inspect_notebook(notebook)
+    declared = notebook_declarations(notebook)
+    assert list(shown) == list(declared)
+    for name, parameter in declared.items():
+        assert shown[name]["inferred_type_name"] == parameter.type != "any", name
+        assert shown[name]["help"] == parameter.help != "", name
+    # the defaults fit their own declarations, and the numeric ones (bar the seed) are bounded
+    assert check_values(declared, {name: p.default for name, p in declared.items()})
+    unbounded = [p.name for p in declared.values() if p.type in ("int", "float", "list[int]", "list[float]") and not p.bounds]
+    assert not unbounded, f"{notebook.name}: numeric parameters without bounds in their help: {unbounded}"
+
+
+@pytest.mark.parametrize("notebook", workbook_notebooks(NOTEBOOKS), ids=lambda p: p.stem)
+def test_the_check_opens_the_cell_right_after_the_parameters(notebook):
+    nb = json.loads(notebook.read_text())
+    after = _cell_after_parameters(nb)
+    assert after["cell_type"] == "code" and "".join(after["source"]).splitlines()[0] == CHECK_CALL
+
+
+def _kernel_after_papermill(parameters: dict) -> dict:
+    """The namespace and input history a kernel holds at 00's check cell after papermill injected
+    `parameters`: the cells come from the notebook and from papermill's own injection."""
+    nb = parameterize_notebook(load_notebook_node(str(START)), parameters)
+    cells = nb.cells
+    params_at = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    run = [cell.source for cell in cells[params_at:params_at + 2]]
+    assert "injected-parameters" in cells[params_at + 1].metadata["tags"]
+    namespace: dict = {}
+    for source in run:
+        exec(source, namespace)  # literal assignments only: what the kernel runs before the check
+    namespace["_ih"] = ["", *run, CHECK_CALL]
+    return namespace
+
+
+@pytest.mark.parametrize("parameters, message", BAD_VALUES)
+def test_what_papermill_injects_unchecked_is_refused_in_one_line(parameters, message):
+    with pytest.raises(ParameterError, match=message) as caught:
+        check_parameters(_kernel_after_papermill(parameters))
+    assert caught.value._render_traceback_() == [f"ParameterError: {caught.value}"]
+
+
+def test_good_values_pass_ints_pass_for_floats_and_the_runner_agrees():
+    check_parameters(_kernel_after_papermill({"bug": False, "steps": 5, "lr": 1}))
+    assert notebook_declarations(START)["lr"].check(1) == 1.0
+    for parameters, message in ((p.values[0], p.values[1]) for p in BAD_VALUES):
+        with pytest.raises(ParameterError, match=message.replace("this notebook", "00_start_here.ipynb")):
+            validate_parameters(START, parameters)
+
+
+def test_an_edited_parameters_cell_is_checked_and_a_missing_one_is_named():
+    source = "steps: int = 0  # SGD steps, at least 1\nbug: bool = True  # the bug"
+    namespace = {"steps": 0, "bug": True, "_ih": ["", source, "print(steps)", CHECK_CALL]}
+    with pytest.raises(ParameterError, match="parameter steps must be at least 1, got 0"):
+        check_parameters(namespace)
+    with pytest.raises(ParameterError, match="no typed parameters cell among the cells run so far"):
+        check_parameters({"steps": 3, "_ih": ["", "steps = 3", CHECK_CALL]})
+
+
+@pytest.mark.parametrize("source, problem", [
+    ("steps: int | None = 3  # steps", "use one of int, float, bool, str or list"),
+    ("steps: int = 3  # steps, at least 1 (see a=b)", "single '='"),
+    ("name: str = 'x'  # a name, at least 1", "bounds are for numbers"),
+    ("sizes: list[int] = [1]  # sizes, at least 1", "start with 'each'"),
+    ("steps: int = (\n    3)  # steps", "on one line"),
+    ("print(3)", "only `name: type = literal"),
+])
+def test_a_declaration_papermill_would_misread_is_an_authoring_error(source, problem):
+    with pytest.raises(Exception, match=problem.replace("(", r"\(")):
+        declared_parameters(source)
+
+
+def _papermill_cli(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "papermill", str(START), str(tmp_path / "out.ipynb"),
+                           "--cwd", str(tmp_path), "-p", "device", "cpu", *arguments],
+                          capture_output=True, text=True, timeout=RUN_LIMIT_S)
+
+
+def _error_outputs(notebook: Path) -> list[tuple[int, dict]]:
+    nb = nbformat.read(notebook, as_version=4)
+    return [(i, o) for i, c in enumerate(nb.cells) if c.cell_type == "code" for o in c.outputs
+            if o.output_type == "error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arguments, message", [
+    (("-p", "bug", "false"), "ParameterError: parameter bug expects a bool"),
+    (("-p", "steps", "-5"), "ParameterError: parameter steps must be at least 1, got -5"),
+])
+def test_plain_papermill_stops_at_the_check_cell_with_one_line(tmp_path, arguments, message):
+    done = _papermill_cli(tmp_path, *arguments)
+    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+    ((index, error),) = _error_outputs(tmp_path / "out.ipynb")
+    nb = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    assert nb.cells[index].source.splitlines()[0] == CHECK_CALL
+    assert error.traceback == [f"{error.ename}: {error.evalue}"] and error.traceback[0].startswith(message)
+    assert not any(c.get("execution_count") for c in nb.cells[index + 1:] if c.cell_type == "code")
+
+
+@pytest.mark.slow
+def test_plain_papermill_refuses_an_unknown_name_and_suggests_the_closest(tmp_path):
+    with pytest.raises(papermill.PapermillExecutionError) as caught:
+        papermill.execute_notebook(START, tmp_path / "out.ipynb", parameters={"stepz": 10, "device": "cpu"},
+                                   cwd=tmp_path, progress_bar=False, kernel_name="python3",
+                                   execution_timeout=RUN_LIMIT_S)
+    assert caught.value.ename == "ParameterError"
+    assert caught.value.evalue.startswith("this notebook has no parameter stepz; allowed: seed (default 0)")
+    assert caught.value.evalue.endswith("Did you mean steps?")
+
+
+@pytest.mark.slow
+def test_a_typed_plain_papermill_run_turns_the_bug_off(tmp_path):
+    done = _papermill_cli(tmp_path, "-p", "bug", "False", "-p", "steps", "40", "-p", "seed", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    metrics = {m["name"]: m["value"] for m in stored_records(tmp_path / "out.ipynb", METRIC_MIME)}
+    assert metrics["final_loss"] < 0.1  # with the string "false" the bug stayed on: a loss above 1
