@@ -43,19 +43,20 @@ from labkit.progress import track
 # variant runs in cases A2 and A4.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-hidden = 32
-steps = 20
-lr = 0.01
-depth = 10
-width = 64
-pool_kernel = 3
-pool_stride = 3
-timing_seconds = 0.3
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+hidden: int = 32  # hidden units of the digits classifier (case A7), at least 1
+steps: int = 20  # full-batch Adam steps (case A7), at least 1
+lr: float = 0.01  # Adam learning rate (case A7), above 0
+depth: int = 10  # layers of the deep stacks (case A8), at least 1
+width: int = 64  # width of the deep stacks (case A8), at least 1
+pool_kernel: int = 3  # pooling window over 8 inputs (case A3), from 1 to 8
+pool_stride: int = 3  # pooling stride (case A3), at least 1
+timing_seconds: float = 0.3  # seconds each timed variant runs, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %%

@@ -52,16 +52,17 @@ from labkit.progress import track
 # gradient is clipped after `zero_grad()` (B7). `bug=False` runs the same reproductions without it.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-hidden = 32
-batch = 32
-micro_batches = 4
-steps = 60
-lr = 0.5
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+hidden: int = 32  # hidden units of the MLP, at least 1
+batch: int = 32  # images per SGD step, at least 1
+micro_batches: int = 4  # micro-batches a batch is split into (gradient accumulation), at least 1
+steps: int = 60  # SGD steps, at least 1
+lr: float = 0.5  # SGD learning rate, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %%

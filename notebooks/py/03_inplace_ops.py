@@ -41,18 +41,19 @@ from labkit.progress import track
 # backward of case C4 is.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-batch = 64
-norm_width = 5
-norm_steps = 80
-triplet_steps = 150
-triplet_lr = 0.05
-margin = 0.2
-slight_error = 0.001
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+batch: int = 64  # digits per random batch, at least 1
+norm_width: int = 5  # ReLU units in front of the LayerNorm, at least 1
+norm_steps: int = 80  # training steps of the LayerNorm model, at least 1
+triplet_steps: int = 150  # training steps of each triplet-loss embedding, at least 1
+triplet_lr: float = 0.05  # SGD learning rate of the embeddings, above 0
+margin: float = 0.2  # triplet-loss margin, at least 0
+slight_error: float = 0.001  # how far off (relative) the third backward is for gradcheck, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 # float64 keeps gradient comparisons exact and makes the stored outputs the same on CPU and GPU.
 DTYPE = torch.float64

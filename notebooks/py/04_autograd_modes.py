@@ -41,14 +41,15 @@ from labkit.progress import track
 # sequences without packing (N4). `bug=False` removes all three.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-batch = 64
-actor_steps = 60
-vit_steps = 40
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+batch: int = 64  # test images per forward pass, at least 1
+actor_steps: int = 60  # training steps of the actor (case N2), at least 1
+vit_steps: int = 40  # training steps of the small ViT (case N3), at least 1
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 # float64 keeps gradient comparisons exact and makes the stored outputs the same on CPU and GPU.
 DTYPE = torch.float64

@@ -48,16 +48,17 @@ from labkit.progress import track
 # eval mode.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-batch_size = 4
-pretrain_steps = 300
-finetune_steps = 200
-lr = 0.03
-seeds = 3
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+batch_size: int = 4  # images per fine-tuning step, at least 1
+pretrain_steps: int = 300  # pretraining steps of the backbone on digits 0-4, at least 1
+finetune_steps: int = 200  # fine-tuning steps of the head on digits 5-9, at least 1
+lr: float = 0.03  # Adam learning rate of the fine-tuning, above 0
+seeds: int = 3  # seeds the accuracy spreads are measured over, at least 1
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 # The models here are tiny, so one CPU thread runs them faster than several competing ones, and it
 # keeps every float64 sum in one order whatever the machine's core count.

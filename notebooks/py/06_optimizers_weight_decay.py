@@ -46,19 +46,20 @@ from labkit.progress import track
 # `Adam(weight_decay=…)` where decoupled weight decay (AdamW) was meant. `bug=False` uses AdamW.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-hidden = 64
-batch = 64
-steps = 300
-lr = 0.001
-weight_decay = 0.01
-sgd_lr = 1.0
-epochs = 12
-seeds = 3
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+hidden: int = 64  # hidden units of the MLP, at least 1
+batch: int = 64  # images per step, at least 1
+steps: int = 300  # Adam and AdamW steps, at least 1
+lr: float = 0.001  # Adam and AdamW learning rate, above 0
+weight_decay: float = 0.01  # weight decay, at least 0
+sgd_lr: float = 1.0  # base learning rate of the scheduler experiment (SGD), above 0
+epochs: int = 12  # epochs of the scheduler experiment, at least 1
+seeds: int = 3  # seeds each comparison runs over, at least 1
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 # The models here are tiny, so one CPU thread runs them faster than several competing ones, and it
 # keeps every float64 sum in one order whatever the machine's core count.

@@ -43,18 +43,19 @@ from labkit.progress import track
 # comparison runs. `bug=True` clips the gradients *before* `GradScaler.unscale_`; `bug=False` after.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-steps = 150
-lr = 0.5
-cnn_steps = 100
-seeds = 3
-spike_every = 10
-spike_scale = 16.0
-max_norm = 1.0
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+steps: int = 150  # minibatch SGD steps of the digits MLPs, at least 1
+lr: float = 0.5  # SGD learning rate of the digits MLPs, above 0
+cnn_steps: int = 100  # training steps of the CNNs (case F3), at least 1
+seeds: int = 3  # seeds each comparison runs over, at least 1
+spike_every: int = 10  # every spike_every-th CNN batch arrives un-normalised, at least 1
+spike_scale: float = 16.0  # factor on the pixels of such a batch, above 0
+max_norm: float = 1.0  # norm-clipping threshold, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %%

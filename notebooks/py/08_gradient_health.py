@@ -47,20 +47,21 @@ from labkit.progress import track
 # `timing_seconds` is how long each variant of the cost comparison runs.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-width = 64
-steps = 600
-lr = 0.02
-lr_growth = 1.007
-lr_cap = 0.3
-log_interval = 50
-alert_factor = 3.0
-micro_batches = 3
-timing_seconds = 0.2
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+width: int = 64  # hidden width of the small MLPs, at least 1
+steps: int = 600  # minibatch SGD steps of the warm-up run (case L1), at least 1
+lr: float = 0.02  # learning rate the warm-up starts from, above 0
+lr_growth: float = 1.007  # warm-up factor per step, at least 1
+lr_cap: float = 0.3  # learning rate the warm-up stops at with bug False, above 0
+log_interval: int = 50  # steps between two readings of the monitor, at least 1
+alert_factor: float = 3.0  # the monitor alerts at this multiple of its running mean, above 0
+micro_batches: int = 3  # backward passes accumulated per step (case L2), at least 1
+timing_seconds: float = 0.2  # seconds each variant of the cost comparison runs, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %%

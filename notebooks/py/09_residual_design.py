@@ -40,18 +40,19 @@ from labkit.progress import track
 # builds it right.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-width = 32
-depths = [8, 16, 32]
-seeds = 3
-train_depths = [8, 32]
-train_steps = 40
-train_seeds = 2
-lr = 0.05
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+width: int = 32  # width of the residual stream, at least 1
+depths: list[int] = [8, 16, 32]  # residual block counts measured at initialisation, each at least 1
+seeds: int = 3  # seeds each depth is measured over, at least 1
+train_depths: list[int] = [8, 32]  # residual block counts that are trained, each at least 1
+train_steps: int = 40  # SGD steps of each training run, at least 1
+train_seeds: int = 2  # seeds each trained depth runs over, at least 1
+lr: float = 0.05  # SGD learning rate, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %%

@@ -42,16 +42,17 @@ from labkit.progress import track
 # `nan_burst_steps` is the length of the run of NaN gradients in case G6.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-hidden = 64
-pretrain_steps = 100
-amp_steps = 20
-scaler_steps = 2000
-nan_burst_steps = 200
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+hidden: int = 64  # hidden units per layer of the digits MLP, at least 1
+pretrain_steps: int = 100  # full-batch SGD steps into the late phase of training, at least 1
+amp_steps: int = 20  # fp16 autocast steps after the pretraining, at least 1
+scaler_steps: int = 2000  # length of the gradient stream driving the GradScaler simulations, at least 50
+nan_burst_steps: int = 200  # length of the run of NaN gradients (case G6), at least 1
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %%

@@ -40,22 +40,23 @@ from labkit.probes import UtilisationSampler, measure_time
 # learning rate tuned for the first, smallest batch); `bug=False` averages the loss instead.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-hidden = 32
-noise_batches = [4, 8, 16, 32, 64, 128, 256]
-noise_draws = 200
-timing_batches = [95, 96, 97, 127, 128, 129]
-timing_width = 1024
-per_device_batch = 8
-devices = 4
-accumulation_steps = 2
-scheduler_batches = [16, 32, 64, 128, 256]
-steps_per_batch = 10
-lr = 0.5
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+hidden: int = 32  # hidden units of the MLP, at least 1
+noise_batches: list[int] = [4, 8, 16, 32, 64, 128, 256]  # batch sizes of the gradient-noise case, each at least 1
+noise_draws: int = 200  # random batches drawn per batch size, at least 2
+timing_batches: list[int] = [95, 96, 97, 127, 128, 129]  # batch sizes timed for throughput, each at least 1
+timing_width: int = 1024  # width of the timed MLP, at least 1
+per_device_batch: int = 8  # samples per device per micro-batch (global batch case), at least 1
+devices: int = 4  # simulated devices, at least 1
+accumulation_steps: int = 2  # micro-batches accumulated per step, at least 1
+scheduler_batches: list[int] = [16, 32, 64, 128, 256]  # batch sizes of the schedule (case J4), each at least 1
+steps_per_batch: int = 10  # SGD steps at each scheduled batch size, at least 1
+lr: float = 0.5  # SGD learning rate, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %% [markdown]

@@ -44,20 +44,21 @@ from labkit.probes import ceiling, copy_bandwidth, fraction_of_ceiling, measure_
 # every step's graph alive; `bug=False` adds `loss.item()` under `torch.no_grad()` instead.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-k1_batches = [1, 32, 256]
-vit_batches = [1, 32]
-resnet_batch = 96
-ffn_blocks = 6
-ffn_width = 128
-ffn_rows = 32
-attention_lengths = [128, 256, 512, 1024]
-validation_rows = 256
-validation_steps = 3
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+k1_batches: list[int] = [1, 32, 256]  # batch sizes of the activation-memory table (case K1), each at least 1
+vit_batches: list[int] = [1, 32]  # ViT-Base batch sizes of the step-peak estimate, each at least 1
+resnet_batch: int = 96  # ResNet-50 batch of the peak estimate (case K8), at least 1
+ffn_blocks: int = 6  # blocks of the feed-forward stack, at least 1
+ffn_width: int = 128  # width of the feed-forward stack, at least 1
+ffn_rows: int = 32  # rows of its input, at least 1
+attention_lengths: list[int] = [128, 256, 512, 1024]  # sequence lengths of the attention case, each at least 1
+validation_rows: int = 256  # test digits of each validation pass (the leak), at least 1
+validation_steps: int = 3  # training steps each followed by validation (the leak), at least 1
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 MB = 1e6  # the article's megabytes; labkit's reports also show MiB
 

@@ -44,19 +44,20 @@ from labkit.probes import UtilisationSampler, measure_time
 # generator, loaded without reseeding it per worker); `bug=False` runs the same loader with the fix.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-num_workers = 2
-samples = 256
-batch_size = 64
-epochs = 4
-lr = 0.1
-sleep_ms = 5.0
-worker_counts = [0, 2, 4]
-noisy_samples = 32
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+num_workers: int = 2  # DataLoader worker processes, at least 0
+samples: int = 256  # training digits, at least 1
+batch_size: int = 64  # samples per batch, at least 1
+epochs: int = 4  # training epochs, at least 1
+lr: float = 0.1  # SGD learning rate, above 0
+sleep_ms: float = 5.0  # milliseconds each item of the slow dataset takes, at least 0
+worker_counts: list[int] = [0, 2, 4]  # worker counts of the throughput measurement, each at least 0
+noisy_samples: int = 32  # samples of the augmentation case (I3), at least 1
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 # Every DataLoader with workers gets this limit, so a stuck worker fails a cell instead of hanging it.
 WAIT_S = 60

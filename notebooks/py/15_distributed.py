@@ -48,17 +48,18 @@ from labkit.probes import measure_time
 # `bug=False` uses BatchNorm over the global batch, which is what `SyncBatchNorm` computes.
 
 # %% tags=["parameters"]
-seed = 0
-device = "auto"
-world_size = 2
-per_rank_batch = 16
-steps = 8
-lr = 0.1
-hidden = 32
-timeout_s = 60.0
-bug = True
+seed: int = 0  # seed of every random stream, at least 0
+device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
+world_size: int = 2  # gloo processes (ranks); the cases compare ranks with each other, at least 2
+per_rank_batch: int = 16  # samples per rank per step, at least 1
+steps: int = 8  # DDP steps, at least 1
+lr: float = 0.1  # SGD learning rate, above 0
+hidden: int = 32  # hidden units of the MLP, at least 1
+timeout_s: float = 60.0  # seconds any wait on the ranks may take, above 0
+bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
+repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 if world_size < 2:
     raise LabkitError(f"world_size={world_size}: the cases compare ranks with each other, so use 2 or more")
