@@ -38,8 +38,10 @@ _BOUNDS = {"at least": operator.ge, "at most": operator.le, "above": operator.gt
 _NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
 _BOUND_CLAUSE = re.compile(rf"(?P<each>each )?(?:(?P<op>at least|at most|above|below) (?P<n>{_NUMBER})"
                            rf"|from (?P<low>{_NUMBER}) to (?P<high>{_NUMBER}))")
-# papermill's own Python translator adds this comment on top of the cell it injects.
+# papermill's own Python translator adds this comment on top of the cell it injects, and its
+# `--inject-paths` options add these names, which no parameters cell declares.
 _INJECTED_HEADER = "# Parameters"
+_PAPERMILL_NAMES = frozenset({"PAPERMILL_INPUT_PATH", "PAPERMILL_OUTPUT_PATH"})
 
 
 class ParameterError(LabkitError):
@@ -217,7 +219,7 @@ def check_parameters(namespace: Mapping[str, object]) -> None:
         raise ParameterError(f"parameter {missing[0]} is not defined: run the cell tagged 'parameters' again")
     injected = {name for source in history[index + 1:] if source.startswith(_INJECTED_HEADER)
                 for name in _assigned_names(source)}
-    names = list(declared) + sorted(injected - set(declared))
+    names = list(declared) + sorted(injected - set(declared) - _PAPERMILL_NAMES)
     check_values(declared, {name: namespace[name] for name in names if name in namespace})
 
 

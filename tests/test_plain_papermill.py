@@ -93,6 +93,8 @@ def test_what_papermill_injects_unchecked_is_refused_in_one_line(parameters, mes
 
 def test_good_values_pass_ints_pass_for_floats_and_the_runner_agrees():
     check_parameters(_kernel_after_papermill({"bug": False, "steps": 5, "lr": 1}))
+    # papermill --inject-paths adds names of its own, which are not the learner's typos
+    check_parameters(_kernel_after_papermill({"PAPERMILL_INPUT_PATH": str(START), "PAPERMILL_OUTPUT_PATH": "o"}))
     assert notebook_declarations(START)["lr"].check(1) == 1.0
     for parameters, message in ((p.values[0], p.values[1]) for p in BAD_VALUES):
         with pytest.raises(ParameterError, match=message.replace("this notebook", "00_start_here.ipynb")):
