@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import difflib
 import io
+import linecache
 import math
 import operator
 import re
@@ -202,14 +203,14 @@ def check_parameters(namespace: Mapping[str, object]) -> None:
     """Check the notebook's parameters as its kernel holds them: call it as
     `repro.check_parameters(globals())` in the cell right after the parameters cell.
 
-    It finds the parameters cell and any cell papermill injected after it in IPython's input
-    history, so plain papermill is checked as `python -m labkit repro` is: an injected name the
+    It finds the parameters cell and any cell papermill injected after it among the cells the
+    kernel ran, so plain papermill is checked as `python -m labkit repro` is: an injected name the
     cell does not declare, a value of the wrong type or out of bounds raises a one-line
     `ParameterError` naming the parameter. Taught in 00_start_here.
     """
-    history = list(namespace.get("_ih") or [])[:-1]  # the last entry is the cell running this check
-    found = next(((i, declared) for i, declared in reversed(list(enumerate(map(_typed_cell, history))))
-                  if declared), None)
+    cells = _cells_run(namespace)
+    found = next(((i, declared) for i, declared in reversed(list(enumerate(map(_typed_cell, cells)))) if declared),
+                 None)
     if found is None:
         raise ParameterError("check_parameters found no typed parameters cell among the cells run so far: "
                              "run the cell tagged 'parameters' first, then this one")
@@ -217,10 +218,30 @@ def check_parameters(namespace: Mapping[str, object]) -> None:
     missing = [name for name in declared if name not in namespace]
     if missing:
         raise ParameterError(f"parameter {missing[0]} is not defined: run the cell tagged 'parameters' again")
-    injected = {name for source in history[index + 1:] if source.startswith(_INJECTED_HEADER)
+    injected = {name for source in cells[index + 1:] if source.startswith(_INJECTED_HEADER)
                 for name in _assigned_names(source)}
     names = list(declared) + sorted(injected - set(declared) - _PAPERMILL_NAMES)
     check_values(declared, {name: namespace[name] for name in names if name in namespace})
+
+
+def _cells_run(namespace: Mapping[str, object]) -> list[str]:
+    """The sources of the cells this kernel ran, oldest first: IPython's input history (`_ih`), or, for
+    a client that runs cells without history (nbval does), the cell sources IPython keeps in
+    `linecache` for its tracebacks (entries without a file time, in the order they were first run)."""
+    history = [str(source) for source in namespace.get("_ih") or []]
+    if any(map(_typed_cell, history)):
+        return history
+    cached = ["".join(entry[2]) for entry in list(linecache.cache.values()) if len(entry) == 4 and entry[1] is None]
+    return [source for source in cached if _parses(source)]
+
+
+def _parses(source: str) -> bool:
+    """Whether cached code can be read as a cell: code other libraries generate may look typed, not parse."""
+    try:
+        _typed_cell(source)
+    except LabkitError:
+        return False
+    return True
 
 
 def _typed_cell(source: str) -> dict[str, Parameter] | None:

@@ -110,6 +110,18 @@ def test_an_edited_parameters_cell_is_checked_and_a_missing_one_is_named():
         check_parameters({"steps": 3, "_ih": ["", "steps = 3", CHECK_CALL]})
 
 
+def test_without_input_history_the_cells_ipython_caches_are_read(monkeypatch):
+    # nbval runs cells with store_history=False: `_ih` stays empty, but IPython still caches each cell's
+    # source in linecache (without a file time) for its tracebacks
+    import linecache
+
+    source = "steps: int = 30  # SGD steps, at least 1"
+    monkeypatch.setitem(linecache.cache, "/tmp/ipykernel_0/1.py", (len(source), None, [source], "/tmp/ipykernel_0/1.py"))
+    check_parameters({"steps": 30, "_ih": []})
+    with pytest.raises(ParameterError, match="parameter steps must be at least 1, got 0"):
+        check_parameters({"steps": 0, "_ih": []})
+
+
 @pytest.mark.parametrize("source, problem", [
     ("steps: int | None = 3  # steps", "use one of int, float, bool, str or list"),
     ("steps: int = 3  # steps, at least 1 (see a=b)", "single '='"),
