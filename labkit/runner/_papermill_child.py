@@ -4,7 +4,9 @@ Run as a script, ``python -P _papermill_child.py INPUT OUTPUT CWD KERNEL CELL_TI
 so the child imports papermill and not labkit (as ``python -m papermill`` did). It does what
 papermill's command line does, and exits with `DEAD_KERNEL_EXIT` when nbclient raises
 `DeadKernelError`, so the parent learns that the kernel died from the exception's type rather
-than from the wording of a log line.
+than from the wording of a log line. On Linux it also dies with its parent (`die_with_parent`), so a
+SIGKILL of `python -m labkit repro`, which no handler can see, does not leave papermill and its kernel
+running to the cell timeout.
 """
 
 from __future__ import annotations
@@ -14,9 +16,30 @@ import logging
 import sys
 
 DEAD_KERNEL_EXIT = 3
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+ORPHANED_EXIT = 4
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel send this process SIGTERM when its parent dies, however it dies.
+    papermill then ends at once, and its Jupyter kernel, which polls for its own parent
+    (`JPY_PARENT_PID`), follows within a second. Elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+    import signal
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        logging.warning("could not ask to die with the parent process: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent:  # the parent died before the request took effect
+        sys.exit(ORPHANED_EXIT)
 
 
 def main(argv: list[str]) -> int:
+    die_with_parent()  # first: papermill's import takes seconds, in which the parent may die
     import papermill
     from nbclient.exceptions import DeadKernelError
 
