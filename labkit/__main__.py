@@ -21,6 +21,7 @@ COMMANDS = {
     "repro": ("labkit.runner", "repro_main", "rerun one notebook with validated parameters"),
     "student": ("labkit.student", "main", "write the student edition (solutions removed)"),
     "progress": ("labkit.grading", "progress_main", "show which exercises pass in executed notebooks"),
+    "course": ("labkit.course.cli", "main", "mark check cells as nbgrader tests, lay out an nbgrader course"),
 }
 
 

@@ -56,6 +56,8 @@ GRADE_FIELDS = {"exercise": str, "passed": bool, "message": str}
 EXERCISE_NAMESPACE = MappingProxyType({"torch": torch, "nn": nn, "F": F, "np": np, "math": math})
 
 PASSED, NOT_YET, NOT_RUN = "passed", "not yet", "not run"
+# nbgrader sets this ("autograde" or "validate") in the kernels it grades with.
+NBGRADER_EXECUTION = "NBGRADER_EXECUTION"
 # Every check needs well under a second of CPU; an answer still computing after this many seconds
 # of CPU time (the process's, all threads) is stopped, so a `while True:` loop cannot hang the
 # learner's notebook. CPU time, because a shared or slow machine stretches wall time several
@@ -148,10 +150,17 @@ def _answer_raised(spec: Exercise, name: str, error: BaseException) -> Result:
 
 
 def check(exercise_id: str, answer: Callable) -> None:
-    """Check ``answer``, show the verdict and remember it for `score` (taught in 00_start_here)."""
+    """Check ``answer``, show the verdict and remember it for `score` (taught in 00_start_here).
+
+    Under nbgrader's autograde or validate (they set ``NBGRADER_EXECUTION``) a wrong answer also
+    raises `AssertionError` with the verdict, since nbgrader scores a test cell by whether it
+    raises; in a learner's own kernel the verdict line is all there is.
+    """
     result = run_check(exercise_id, answer)
     _SESSION[result.exercise] = result
     _show(result)
+    if not result.passed and os.environ.get(NBGRADER_EXECUTION):
+        raise AssertionError(result.message)
 
 
 def score() -> None:

@@ -327,7 +327,7 @@ def solution_folder(folder):
         nbformat.v4.new_code_cell("import torch"),
         nbformat.v4.new_code_cell(BUG),
         nbformat.v4.new_code_cell(SOLUTION, metadata={"nbgrader": student.nbgrader_metadata("00.1")}),
-        nbformat.v4.new_code_cell('grading.check("00.1", f)'),
+        nbformat.v4.new_code_cell('grading.check("00.1", f)', metadata={"nbgrader": student.check_metadata("00.1")}),
     ]
     nbformat.write(nbformat.v4.new_notebook(cells=cells), folder / "00_x.ipynb")
     return folder
