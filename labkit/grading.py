@@ -10,18 +10,16 @@ returns (each check has a time limit, `CHECK_TIME_LIMIT_S`): the learner reads o
 what is still wrong and a hint, never a traceback. A check leaves the notebook's global state
 (random streams, default dtype, warning filters, threads, patched torch functions, ...) as it
 found it. Each verdict is also displayed as `application/vnd.labkit.grade+json`, so
-`python -m labkit progress [folder]` can read a learner's executed notebooks and show which
+`python -m labkit progress [folder] --stored` can read a learner's executed notebooks and show which
 exercises pass across the course. The checks themselves live in `labkit/exercises/nbNN.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import builtins
 import contextlib
 import ctypes
 import gc
-import json
 import math
 import os
 import random
@@ -605,33 +603,15 @@ def progress_table(rows: list[Progress]) -> str:
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     text = ["  ".join(value.ljust(width) for value, width in zip(line, widths)).rstrip() for line in lines]
     counts = _counts(rows)
+    # Statuses beyond these three (labkit.course.progress adds "cell missing") are counted after them.
+    others = "".join(f", {count} {status}" for status, count in counts.items() if status not in (PASSED, NOT_YET, NOT_RUN))
     text.append(
         f"Total: {counts[PASSED]}/{len(rows)} exercises passed "
-        f"({counts[NOT_YET]} not yet, {counts[NOT_RUN]} not run)"
+        f"({counts[NOT_YET]} not yet, {counts[NOT_RUN]} not run{others})"
     )
     return "\n".join(text)
 
 
 def _counts(rows: list[Progress]) -> dict[str, int]:
-    return {status: sum(row.status == status for row in rows) for status in (PASSED, NOT_YET, NOT_RUN)}
-
-
-def progress_main(argv: list[str]) -> int:
-    """`python -m labkit progress [folder] [--json]`: which exercises pass across the course."""
-    parser = argparse.ArgumentParser(
-        prog="python -m labkit progress",
-        description="Show which exercises pass in a folder of executed student notebooks.",
-    )
-    parser.add_argument("folder", nargs="?", default="student", help="folder of executed notebooks (default: student)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-    rows = course_progress(Path(args.folder))
-    if args.json:
-        counts = _counts(rows)
-        total = {"exercises": len(rows), "passed": counts[PASSED], "not_yet": counts[NOT_YET]}
-        total["not_run"] = counts[NOT_RUN]
-        report = {"folder": args.folder, "exercises": [asdict(row) for row in rows], "total": total}
-        print(json.dumps(report, indent=2))
-    else:
-        print(progress_table(rows))
-    return 0
+    statuses = dict.fromkeys([PASSED, NOT_YET, NOT_RUN] + [row.status for row in rows])
+    return {status: sum(row.status == status for row in rows) for status in statuses}

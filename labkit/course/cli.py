@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from labkit.course import marks
+from labkit.course import layout, marks
 from labkit.notebooks import select_notebooks
 
 __all__: list[str] = []
@@ -16,8 +17,22 @@ def main(argv: list[str]) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     mark = commands.add_parser("mark", help="write the nbgrader test metadata of every check cell (idempotent)")
     mark.add_argument("names", nargs="*", help="notebook stems or number prefixes (default: all)")
+    create = commands.add_parser("create", help="lay out an nbgrader course folder: source and release of one assignment")
+    create.add_argument("names", nargs="*", help="notebook stems or number prefixes (default: all)")
+    create.add_argument("--assignment", default=layout.COURSE_ID, help=f"assignment name (default: {layout.COURSE_ID})")
+    create.add_argument("--dest", default="course", help="the course folder (default: course)")
     args = parser.parse_args(argv)
-    return _mark(args.names)
+    if args.command == "mark":
+        return _mark(args.names)
+    return _create(args.names, args.assignment, Path(args.dest))
+
+
+def _create(names: list[str], assignment: str, root: Path) -> int:
+    released = layout.create_course(select_notebooks(names), root, assignment)
+    print(f"course at {root}/: assignment {assignment} released as {root}/release/{assignment}/ "
+          f"({', '.join(path.name for path in released)})")
+    print(f"next: cd {root} && nbgrader release_assignment {assignment} (see nbgrader_config.py)")
+    return 0
 
 
 def _mark(names: list[str]) -> int:

@@ -391,7 +391,7 @@ def test_a_grade_payload_without_passed_is_a_labkit_error_naming_the_file(tmp_pa
                                 {"exercise": "00.1", "notebook": "00_start_here", "message": "✓"})
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb cell 1: the stored record has no 'passed' field"):
         grading.course_progress(tmp_path)
-    assert labkit_main(["progress", str(tmp_path)]) == 2
+    assert labkit_main(["progress", str(tmp_path), "--stored"]) == 2
     assert str(path) in capsys.readouterr().err
 
 
