@@ -9,6 +9,8 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanit
 NB ?=
 PREFER ?=
 NAME ?= workbook
+COURSE ?= course
+ASSIGNMENT ?= gradientlab
 CHROMIUM := /usr/bin/chromium
 # make test-compat: the newest releases pyproject.toml admits (constraints-latest.txt, resolved for 3.12).
 # The first python3.12 that runs: on PATH, else one that pyenv installed (pyenv's shim fails where 3.12 is
@@ -26,7 +28,7 @@ COMPAT_PIP := PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip --isola
 COMPAT_ENV := CUDA_HOME= CUDA_PATH=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup hooks lab notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student bench repro clean
+.PHONY: help setup hooks lab notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student course bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -96,6 +98,9 @@ api: $(STAMP) ## regenerate docs/API.md, the list of labkit's public API
 student: $(STAMP) ## write the student edition into student/ (solutions removed, outputs cleared)
 	$(PY) -m labkit student notebooks student
 
+course: $(STAMP) ## lay out an nbgrader course in $(COURSE)/ (NB="00 02 05" ASSIGNMENT=ps1; refuses handed-in work)
+	$(PY) -m labkit course create $(NB) --assignment $(ASSIGNMENT) --dest $(COURSE)
+
 bench: $(STAMP) ## run the benchmarks in benchmarks/ (ratios measured in one run)
 	@for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
@@ -103,6 +108,6 @@ repro: $(STAMP) ## rerun one notebook: make repro NB=00_start_here P="-p seed 3 
 	@test -n "$(NB)" || { echo 'usage: make repro NB=notebook P="-p name value ..."'; exit 2; }
 	$(PY) -m labkit repro $(NB) $(P)
 
-clean: ## remove .venv, runs/, student/ and caches
+clean: ## remove .venv, runs/, student/ and caches (never course/: it holds the gradebook)
 	rm -rf $(VENV) $(COMPAT_VENV) runs student .pytest_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

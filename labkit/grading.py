@@ -10,18 +10,16 @@ returns (each check has a time limit, `CHECK_TIME_LIMIT_S`): the learner reads o
 what is still wrong and a hint, never a traceback. A check leaves the notebook's global state
 (random streams, default dtype, warning filters, threads, patched torch functions, ...) as it
 found it. Each verdict is also displayed as `application/vnd.labkit.grade+json`, so
-`python -m labkit progress [folder]` can read a learner's executed notebooks and show which
+`python -m labkit progress [folder] --stored` can read a learner's executed notebooks and show which
 exercises pass across the course. The checks themselves live in `labkit/exercises/nbNN.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import builtins
 import contextlib
 import ctypes
 import gc
-import json
 import math
 import os
 import random
@@ -56,6 +54,8 @@ GRADE_FIELDS = {"exercise": str, "passed": bool, "message": str}
 EXERCISE_NAMESPACE = MappingProxyType({"torch": torch, "nn": nn, "F": F, "np": np, "math": math})
 
 PASSED, NOT_YET, NOT_RUN = "passed", "not yet", "not run"
+# nbgrader sets this ("autograde" or "validate") in the kernels it grades with.
+NBGRADER_EXECUTION = "NBGRADER_EXECUTION"
 # Every check needs well under a second of CPU; an answer still computing after this many seconds
 # of CPU time (the process's, all threads) is stopped, so a `while True:` loop cannot hang the
 # learner's notebook. CPU time, because a shared or slow machine stretches wall time several
@@ -148,10 +148,17 @@ def _answer_raised(spec: Exercise, name: str, error: BaseException) -> Result:
 
 
 def check(exercise_id: str, answer: Callable) -> None:
-    """Check ``answer``, show the verdict and remember it for `score` (taught in 00_start_here)."""
+    """Check ``answer``, show the verdict and remember it for `score` (taught in 00_start_here).
+
+    Under nbgrader's autograde or validate (they set ``NBGRADER_EXECUTION``) a wrong answer also
+    raises `AssertionError` with the verdict, since nbgrader scores a test cell by whether it
+    raises; in a learner's own kernel the verdict line is all there is.
+    """
     result = run_check(exercise_id, answer)
     _SESSION[result.exercise] = result
     _show(result)
+    if not result.passed and os.environ.get(NBGRADER_EXECUTION):
+        raise AssertionError(result.message)
 
 
 def score() -> None:
@@ -596,33 +603,15 @@ def progress_table(rows: list[Progress]) -> str:
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     text = ["  ".join(value.ljust(width) for value, width in zip(line, widths)).rstrip() for line in lines]
     counts = _counts(rows)
+    # Statuses beyond these three (labkit.course.progress adds "cell missing") are counted after them.
+    others = "".join(f", {count} {status}" for status, count in counts.items() if status not in (PASSED, NOT_YET, NOT_RUN))
     text.append(
         f"Total: {counts[PASSED]}/{len(rows)} exercises passed "
-        f"({counts[NOT_YET]} not yet, {counts[NOT_RUN]} not run)"
+        f"({counts[NOT_YET]} not yet, {counts[NOT_RUN]} not run{others})"
     )
     return "\n".join(text)
 
 
 def _counts(rows: list[Progress]) -> dict[str, int]:
-    return {status: sum(row.status == status for row in rows) for status in (PASSED, NOT_YET, NOT_RUN)}
-
-
-def progress_main(argv: list[str]) -> int:
-    """`python -m labkit progress [folder] [--json]`: which exercises pass across the course."""
-    parser = argparse.ArgumentParser(
-        prog="python -m labkit progress",
-        description="Show which exercises pass in a folder of executed student notebooks.",
-    )
-    parser.add_argument("folder", nargs="?", default="student", help="folder of executed notebooks (default: student)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-    rows = course_progress(Path(args.folder))
-    if args.json:
-        counts = _counts(rows)
-        total = {"exercises": len(rows), "passed": counts[PASSED], "not_yet": counts[NOT_YET]}
-        total["not_run"] = counts[NOT_RUN]
-        report = {"folder": args.folder, "exercises": [asdict(row) for row in rows], "total": total}
-        print(json.dumps(report, indent=2))
-    else:
-        print(progress_table(rows))
-    return 0
+    statuses = dict.fromkeys([PASSED, NOT_YET, NOT_RUN] + [row.status for row in rows])
+    return {status: sum(row.status == status for row in rows) for status in statuses}

@@ -33,6 +33,8 @@ EXERCISE_HEADER = re.compile(r"^# exercise (\d{2}\.\d+)\s*$")
 PLANTED_BUG_HEADER = re.compile(r"^# planted bug for exercise (\d{2}\.\d+)\s*$")
 CHECK_CALL = re.compile(r"""grading\.check\(\s*["'](\d{2}\.\d+)["']\s*,\s*([A-Za-z_]\w*)\s*\)""")
 STUB = ('# YOUR CODE HERE', 'raise NotImplementedError("Exercise {id}: replace this line with your answer")')
+# nbgrader points per exercise: every exercise weighs the same.
+CHECK_POINTS = 1
 # Marks a notebook as this generator's output, so a rerun overwrites only the edition's own files.
 EDITION_METADATA = {"edition": "student"}
 
@@ -52,6 +54,19 @@ def nbgrader_metadata(exercise_id: str) -> dict:
     """The cell metadata nbgrader needs to treat an exercise cell as an autograded answer."""
     grade_id = "exercise_" + exercise_id.replace(".", "_")
     return {"grade": False, "grade_id": grade_id, "locked": False, "schema_version": 3, "solution": True}
+
+
+def check_metadata(exercise_id: str) -> dict:
+    """The cell metadata that makes an exercise's check cell an nbgrader autograder test.
+
+    Locked, so nbgrader's autograde restores the cell a learner edited (outputs and all) before it
+    runs it; graded with `CHECK_POINTS`, so the check raising (under nbgrader, `grading.check`
+    raises `AssertionError` on a wrong answer) scores 0 and returning scores the points.
+    `python -m labkit course mark` writes it into the notebooks.
+    """
+    grade_id = "check_" + exercise_id.replace(".", "_")
+    return {"grade": True, "grade_id": grade_id, "locked": True, "points": CHECK_POINTS, "schema_version": 3,
+            "solution": False}
 
 
 def exercise_id_of(cell: dict, header: re.Pattern = EXERCISE_HEADER) -> str | None:
@@ -130,7 +145,7 @@ def _cell_roles(cell: dict, where: str) -> list[tuple[str, str]]:
             return [("planted bug", bug_id)]
         if cell["cell_type"] != "code":
             return []
-        return [("check", match.group(1)) for match in CHECK_CALL.finditer(cell["source"])]
+        return _check_roles(cell, where)
     if not has_markers:
         raise LabkitError(
             f"{where} is exercise {solution_id} but has no '{BEGIN_SOLUTION}' / '{END_SOLUTION}' "
@@ -143,6 +158,22 @@ def _cell_roles(cell: dict, where: str) -> list[tuple[str, str]]:
             f"start the cell in the .py file with: {header}"
         )
     return [("solution", solution_id)]
+
+
+def _check_roles(cell: dict, where: str) -> list[tuple[str, str]]:
+    checked = [match.group(1) for match in CHECK_CALL.finditer(cell["source"])]
+    if len(checked) > 1:
+        raise LabkitError(
+            f"{where} checks exercises {', '.join(checked)} in one cell; nbgrader grades a cell as one test, "
+            "so give each grading.check its own cell"
+        )
+    if checked and cell.get("metadata", {}).get("nbgrader") != check_metadata(checked[0]):
+        header = "# %% nbgrader=" + json.dumps(check_metadata(checked[0]), sort_keys=True)
+        raise LabkitError(
+            f"{where} (the check of exercise {checked[0]}) is not a locked nbgrader test cell, so a learner's "
+            f"edit would count; run `python -m labkit course mark` (it writes this header in the .py file: {header})"
+        )
+    return [("check", exercise_id) for exercise_id in checked]
 
 
 def _check_prefix(exercise_id: str, name: str, where: str) -> None:
@@ -184,10 +215,19 @@ def student_notebook(notebook: nbformat.NotebookNode, name: str) -> nbformat.Not
         solution_id = exercise_id_of(cell)
         if solution_id in exercises:
             cell["source"] = stub_solution(cell["source"], solution_id, f"{name} cell {index + 1}")
+        cell["metadata"].update(_locks(cell["metadata"].get("nbgrader", {})))
     edition.metadata["labkit"] = dict(EDITION_METADATA)
     # The jupytext pairing belongs to the source notebooks; in the edition it would write .py files next to it.
     edition.metadata.get("jupytext", {}).pop("formats", None)
     return edition
+
+
+def _locks(nbgrader: dict) -> dict:
+    """JupyterLab's cell locks, as nbgrader's release sets them: an answer cell cannot be deleted, a check
+    cell can be neither deleted nor edited."""
+    if nbgrader.get("grade"):
+        return {"deletable": False, "editable": False}
+    return {"deletable": False} if nbgrader.get("solution") else {}
 
 
 def write_student_edition(source: Path, destination: Path, *, force: bool = False) -> list[Path]:

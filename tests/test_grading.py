@@ -206,7 +206,7 @@ def test_progress_table_has_a_total_line(tmp_path):
 
 def test_progress_cli_prints_json(tmp_path, capsys):
     nbformat.write(graded_notebook(verdict("00.1", True), verdict("00.2", False)), tmp_path / "00_start_here.ipynb")
-    assert labkit_main(["progress", str(tmp_path), "--json"]) == 0
+    assert labkit_main(["progress", str(tmp_path), "--stored", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     statuses = {row["exercise"]: row["status"] for row in report["exercises"]}
     assert statuses["00.1"] == "passed" and statuses["00.2"] == "not yet"
@@ -216,7 +216,7 @@ def test_progress_cli_prints_json(tmp_path, capsys):
 
 def test_progress_cli_prints_the_table(tmp_path, capsys):
     nbformat.write(graded_notebook(verdict("00.1", True)), tmp_path / "00_start_here.ipynb")
-    assert labkit_main(["progress", str(tmp_path)]) == 0
+    assert labkit_main(["progress", str(tmp_path), "--stored"]) == 0
     assert "Total: 1/" in capsys.readouterr().out
 
 

@@ -73,6 +73,10 @@ def exercise_cell(source: str = SOLUTION, exercise_id: str = "00.1") -> nbformat
     return nbformat.v4.new_code_cell(source, metadata={"nbgrader": student.nbgrader_metadata(exercise_id)})
 
 
+def check_cell(source: str = CHECK, exercise_id: str = "00.1") -> nbformat.NotebookNode:
+    return nbformat.v4.new_code_cell(source, metadata={"nbgrader": student.check_metadata(exercise_id)})
+
+
 def notebook(*cells: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nbformat.v4.new_notebook(cells=list(cells))
 
@@ -82,7 +86,7 @@ def code(source: str) -> nbformat.NotebookNode:
 
 
 def test_find_exercises_returns_the_three_cells_and_the_function():
-    found = student.find_exercises(notebook(code(BUG), exercise_cell(), code(CHECK)), "00_x.ipynb")
+    found = student.find_exercises(notebook(code(BUG), exercise_cell(), check_cell()), "00_x.ipynb")
     assert found == {"00.1": student.ExerciseCells("00.1", BUG, SOLUTION, CHECK, "f")}
 
 
@@ -90,24 +94,27 @@ def test_find_exercises_returns_the_three_cells_and_the_function():
     ("cells", "problem"),
     [
         (
-            [code(BUG), code(SOLUTION.replace("# exercise 00.1\n", "")), code(CHECK)],
+            [code(BUG), code(SOLUTION.replace("# exercise 00.1\n", "")), check_cell()],
             "does not start with '# exercise NN.K'",
         ),
         (
-            [code(BUG), nbformat.v4.new_markdown_cell("### BEGIN SOLUTION\n### END SOLUTION"), code(CHECK)],
+            [code(BUG), nbformat.v4.new_markdown_cell("### BEGIN SOLUTION\n### END SOLUTION"), check_cell()],
             "does not start with '# exercise NN.K'",
         ),
-        ([code(BUG), exercise_cell("# exercise 00.1\ndef f(x):\n    return x"), code(CHECK)], "has no '### BEGIN"),
-        ([code(BUG), code(SOLUTION), code(CHECK)], "needs nbgrader's cell metadata"),
+        ([code(BUG), exercise_cell("# exercise 00.1\ndef f(x):\n    return x"), check_cell()], "has no '### BEGIN"),
+        ([code(BUG), code(SOLUTION), check_cell()], "needs nbgrader's cell metadata"),
         ([code(BUG), exercise_cell()], "has no check cell"),
-        ([exercise_cell(), code(CHECK)], "has no planted bug cell"),
-        ([code(BUG), code(CHECK), exercise_cell()], "must come in the order"),
-        ([code(BUG), exercise_cell(), exercise_cell(), code(CHECK)], "already has a solution cell"),
-        ([code(BUG), exercise_cell(), code(CHECK.replace(", f)", ", g)"))], "must both define it with 'def g\\('"),
+        ([exercise_cell(), check_cell()], "has no planted bug cell"),
+        ([code(BUG), check_cell(), exercise_cell()], "must come in the order"),
+        ([code(BUG), exercise_cell(), exercise_cell(), check_cell()], "already has a solution cell"),
+        ([code(BUG), exercise_cell(), check_cell(CHECK.replace(", f)", ", g)"))], "must both define it with 'def g\\('"),
         (
             [code(BUG.replace("00.1", "01.1")), exercise_cell(SOLUTION.replace("00.1", "01.1"), "01.1")],
             "does not belong in 00_x.ipynb",
         ),
+        ([code(BUG), exercise_cell(), code(CHECK)], r"is not a locked nbgrader test cell.*labkit course mark"),
+        ([code(BUG), exercise_cell(), check_cell(exercise_id="00.2")], "is not a locked nbgrader test cell"),
+        ([code(BUG), exercise_cell(), check_cell(CHECK + "\n" + CHECK)], "give each grading.check its own cell"),
     ],
     ids=[
         "markers without id",
@@ -120,6 +127,9 @@ def test_find_exercises_returns_the_three_cells_and_the_function():
         "duplicate",
         "function mismatch",
         "wrong notebook",
+        "unlocked check",
+        "check metadata of another exercise",
+        "two checks in a cell",
     ],
 )
 def test_convention_errors_name_the_problem(cells, problem):
@@ -135,7 +145,7 @@ def solution_source(folder: Path) -> Path:
     parameters = nbformat.v4.new_code_cell("seed = 0", metadata={"tags": ["parameters"]})
     ran = code("print(1)")
     ran.outputs, ran.execution_count = [nbformat.v4.new_output("stream", text="1\n")], 1
-    nbformat.write(notebook(parameters, ran, code(BUG), exercise_cell(), code(CHECK)), folder / "00_x.ipynb")
+    nbformat.write(notebook(parameters, ran, code(BUG), exercise_cell(), check_cell()), folder / "00_x.ipynb")
     return folder
 
 
@@ -148,7 +158,11 @@ def test_edition_stubs_clears_and_keeps_everything_else(tmp_path):
         cell.source if index != 3 else student.stub_solution(cell.source, "00.1")
         for index, cell in enumerate(original.cells)
     ]
-    assert [cell.metadata for cell in edition.cells] == [cell.metadata for cell in original.cells]
+    # nbgrader's release locks the same cells: an answer cannot be deleted, a check neither deleted nor edited.
+    locks = {3: {"deletable": False}, 4: {"deletable": False, "editable": False}}
+    assert [cell.metadata for cell in edition.cells] == [
+        {**cell.metadata, **locks.get(index, {})} for index, cell in enumerate(original.cells)
+    ]
     assert all(cell.outputs == [] and cell.execution_count is None for cell in edition.cells)
     assert edition.metadata["labkit"] == {"edition": "student"}
 

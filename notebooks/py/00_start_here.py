@@ -289,7 +289,7 @@ def one_training_step(model, optimizer, x, y):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_00_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("00.1", one_training_step)
 
 
@@ -331,7 +331,7 @@ def grad_of_each_call(w, inputs):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_00_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("00.2", grad_of_each_call)
 
 # %%

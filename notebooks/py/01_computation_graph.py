@@ -1154,7 +1154,7 @@ def entropy_term(p):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_01_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("01.1", entropy_term)
 
 
@@ -1206,7 +1206,7 @@ def unreachable_parameters(output, model):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_01_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("01.2", unreachable_parameters)
 
 
@@ -1245,7 +1245,7 @@ def editable_copy(t):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_01_3", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("01.3", editable_copy)
 
 # %%

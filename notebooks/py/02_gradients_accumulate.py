@@ -1161,7 +1161,7 @@ def clipped_step(model, optimizer, loss, max_norm):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_02_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("02.1", clipped_step)
 
 
@@ -1204,7 +1204,7 @@ def accumulate_gradients(model, x, y, micro_batch):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_02_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("02.2", accumulate_gradients)
 
 # %%

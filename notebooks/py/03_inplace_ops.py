@@ -812,7 +812,7 @@ def layer_norm_rows(x, eps=1e-5):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_03_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("03.1", layer_norm_rows)
 
 
@@ -860,7 +860,7 @@ def distance_backward(grad_output, a, b):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_03_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("03.2", distance_backward)
 
 # %%

@@ -747,7 +747,7 @@ def actor_loss(actor, critic, states):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_04_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("04.1", actor_loss)
 
 
@@ -788,7 +788,7 @@ def last_hidden_state(lstm, padded, lengths):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_04_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("04.2", last_hidden_state)
 
 # %%

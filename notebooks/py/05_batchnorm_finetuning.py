@@ -919,7 +919,7 @@ def set_finetune_mode(model):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_05_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("05.1", set_finetune_mode)
 
 
@@ -972,7 +972,7 @@ def recalibrate_batchnorm(model, x, batch_size):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_05_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("05.2", recalibrate_batchnorm)
 
 # %%

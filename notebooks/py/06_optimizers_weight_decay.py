@@ -834,7 +834,7 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_06_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("06.1", adamw_update)
 
 
@@ -882,7 +882,7 @@ def layerwise_param_groups(model, decay_by_module):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_06_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("06.2", layerwise_param_groups)
 
 # %%

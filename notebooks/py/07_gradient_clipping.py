@@ -693,7 +693,7 @@ def clip_total_norm_(grads, max_norm):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_07_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("07.1", clip_total_norm_)
 
 
@@ -738,7 +738,7 @@ def guarded_step(model, optimizer, max_norm):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_07_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("07.2", guarded_step)
 
 # %%

@@ -983,7 +983,7 @@ def record_grad_norms(model):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_08_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("08.1", record_grad_norms)
 
 
@@ -1024,7 +1024,7 @@ def spike_alert(history, current, factor=3.0, window=5):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_08_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("08.2", spike_alert)
 
 # %%

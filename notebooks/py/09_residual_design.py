@@ -367,7 +367,7 @@ def preact_block(x, bn1, lin1, bn2, lin2):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_09_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("09.1", preact_block)
 
 
@@ -406,7 +406,7 @@ def gradient_survival(stack, x, upstream):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_09_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("09.2", gradient_survival)
 
 # %%

@@ -899,7 +899,7 @@ def amp_step(model, optimizer, scaler, x, y):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_10_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("10.1", amp_step)
 
 
@@ -940,7 +940,7 @@ def step_and_update(scaler, optimizer, floor):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_10_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("10.2", step_and_update)
 
 # %%

@@ -608,7 +608,7 @@ def grads_match(grads, reference):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_11_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("11.1", grads_match)
 
 
@@ -644,7 +644,7 @@ def exclude_from_compile(module):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_11_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("11.2", exclude_from_compile)
 
 # %%

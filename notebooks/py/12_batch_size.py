@@ -735,7 +735,7 @@ def global_batch_gradient(model, x, y, devices, accumulation_steps):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_12_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("12.1", global_batch_gradient)
 
 
@@ -773,7 +773,7 @@ def expected_gradient_noise(per_sample_grads, batch_size):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_12_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("12.2", expected_gradient_noise)
 
 # %%

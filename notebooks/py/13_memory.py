@@ -1273,7 +1273,7 @@ def mean_validation_loss(model, batches):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_13_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("13.1", mean_validation_loss)
 
 
@@ -1331,7 +1331,7 @@ def checkpointed_forward(blocks, x):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_13_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("13.2", checkpointed_forward)
 
 # %%

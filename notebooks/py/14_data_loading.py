@@ -597,7 +597,7 @@ def seed_dataset_rng(dataset, worker_seed):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_14_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("14.1", seed_dataset_rng)
 
 
@@ -641,7 +641,7 @@ def worker_items(start, end, worker_id, num_workers):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_14_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("14.2", worker_items)
 
 # %%

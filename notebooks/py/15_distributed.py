@@ -804,7 +804,7 @@ def average_gradients(model, all_reduce_sum, world_size):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_15_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("15.1", average_gradients)
 
 
@@ -844,7 +844,7 @@ def rank_indices(num_samples, rank, world_size, epoch, seed):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_15_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("15.2", rank_indices)
 
 # %%

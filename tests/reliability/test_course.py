@@ -327,7 +327,7 @@ def solution_folder(folder):
         nbformat.v4.new_code_cell("import torch"),
         nbformat.v4.new_code_cell(BUG),
         nbformat.v4.new_code_cell(SOLUTION, metadata={"nbgrader": student.nbgrader_metadata("00.1")}),
-        nbformat.v4.new_code_cell('grading.check("00.1", f)'),
+        nbformat.v4.new_code_cell('grading.check("00.1", f)', metadata={"nbgrader": student.check_metadata("00.1")}),
     ]
     nbformat.write(nbformat.v4.new_notebook(cells=cells), folder / "00_x.ipynb")
     return folder
@@ -391,7 +391,7 @@ def test_a_grade_payload_without_passed_is_a_labkit_error_naming_the_file(tmp_pa
                                 {"exercise": "00.1", "notebook": "00_start_here", "message": "✓"})
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb cell 1: the stored record has no 'passed' field"):
         grading.course_progress(tmp_path)
-    assert labkit_main(["progress", str(tmp_path)]) == 2
+    assert labkit_main(["progress", str(tmp_path), "--stored"]) == 2
     assert str(path) in capsys.readouterr().err
 
 

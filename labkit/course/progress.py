@@ -1,0 +1,166 @@
+"""Learner progress that stored outputs cannot fake: every answer is run through its check again.
+
+`python -m labkit progress [FOLDER]` reads each ``NN_*.ipynb`` in FOLDER (an executed student edition, or
+an nbgrader ``submitted/<learner>/<assignment>`` folder), runs each exercise cell's source in a fresh
+namespace holding only `grading.EXERCISE_NAMESPACE`, and checks the function it defines with
+`grading.run_check`, as the check cell would. Outputs are never read, so a hand-made "passed" output
+or a check cell replaced by a print counts for nothing. A notebook with an exercise cell identical to
+the solution notebook's (the solutions themselves, or a copy) is skipped and named. ``--stored``
+reads the verdicts the notebooks stored instead: fast, but forgeable, and the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from labkit import grading, student
+from labkit.errors import LabkitError
+from labkit.exercises import exercise_order, registry
+from labkit.messages import describe_error
+from labkit.notebooks import NOTEBOOK_GLOB
+
+__all__: list[str] = []
+
+MISSING = "cell missing"
+RECHECKED, STORED = "re-checked", "stored outputs"
+# Which verdict wins when several notebooks (a learner's copies) answer one exercise.
+_RANK = {grading.PASSED: 3, grading.NOT_YET: 2, MISSING: 1, grading.NOT_RUN: 0}
+DEFAULT_SOURCE = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+@dataclass
+class Report:
+    """The course's rows, how they were obtained, and the notebooks skipped as solutions."""
+
+    method: str
+    rows: list[grading.Progress]
+    skipped: list[str] = field(default_factory=list)
+
+
+def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
+    """Every registered exercise with its standing in ``folder``, each answer re-run through its check."""
+    paths = _learner_notebooks(folder)
+    solutions = _solutions(source)
+    best: dict[str, grading.Progress] = {}
+    skipped = []
+    for path in paths:
+        answers = _answers(path)
+        if any(solutions.get(eid) is not None and solutions[eid].solution == text for eid, text in answers.items()):
+            skipped.append(path.name)
+            continue
+        for row in _notebook_rows(path, answers, solutions):
+            if row.exercise not in best or _RANK[row.status] > _RANK[best[row.exercise].status]:
+                best[row.exercise] = row
+    rows = [best.get(eid) or grading.Progress(spec.notebook, eid, spec.title, grading.NOT_RUN, "")
+            for eid, spec in registry().items()]
+    return Report(RECHECKED, sorted(rows, key=lambda row: exercise_order(row.exercise)), skipped)
+
+
+def _learner_notebooks(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise LabkitError(f"no folder {folder}: write the student edition with `make student`, then run its notebooks")
+    paths = sorted(folder.glob(NOTEBOOK_GLOB))
+    if not paths:
+        raise LabkitError(f"no notebooks in {folder} (named NN_name.ipynb): pass the folder of a learner's notebooks")
+    return paths
+
+
+def _solutions(source: Path) -> dict[str, student.ExerciseCells]:
+    source = Path(source)
+    paths = sorted(source.glob(NOTEBOOK_GLOB)) if source.is_dir() else []
+    if not paths:
+        raise LabkitError(f"no solution notebooks in {source}: pass --source with the workbook's notebooks/ folder")
+    found = {}
+    for path in paths:
+        found.update(student.find_exercises(nbformat.read(path, as_version=4), path.name))
+    return found
+
+
+def _answers(path: Path) -> dict[str, str]:
+    """Each exercise cell's source in a learner's notebook, by exercise ID."""
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as error:  # nbformat raises JSON, validation and OS errors alike for a damaged file
+        raise LabkitError(f"cannot read {path} ({type(error).__name__}); restore it from the student edition") from error
+    return {eid: cell["source"] for cell in nb.cells if (eid := student.exercise_id_of(cell)) is not None}
+
+
+def _notebook_rows(path: Path, answers: dict[str, str], solutions: dict) -> list[grading.Progress]:
+    number = path.name[:2]
+    rows = []
+    for eid, spec in registry().items():
+        if not spec.notebook.startswith(number + "_"):
+            continue
+        if eid not in answers:
+            message = (f"{path.name} has no cell starting '# exercise {eid}' (deleted?); copy it back from a fresh "
+                       "student edition (make student DEST=elsewhere) and answer it again")
+            rows.append(grading.Progress(spec.notebook, eid, spec.title, MISSING, message))
+            continue
+        result = recheck(eid, answers[eid], solutions[eid].function, f"{path.name} exercise {eid}")
+        rows.append(grading.Progress(spec.notebook, eid, spec.title,
+                                     grading.PASSED if result.passed else grading.NOT_YET, result.message))
+    return rows
+
+
+def recheck(exercise_id: str, cell_source: str, function: str, where: str) -> grading.Result:
+    """Run an exercise cell's source afresh, then check the ``function`` it defines."""
+    spec = grading._lookup(exercise_id)
+    namespace = dict(grading.EXERCISE_NAMESPACE)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                grading._time_limit(grading.CHECK_TIME_LIMIT_S):
+            exec(compile(cell_source, where, "exec"), namespace)  # noqa: S102 (the learner's answer, as the kernel ran it)
+    except grading._CheckTimedOut as stopped:
+        return grading._not_yet(spec, f"the exercise cell did not finish within {stopped.limit}")
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # SystemExit too: the cell is the learner's, its failure a verdict
+        return grading._not_yet(spec, f"the exercise cell raised {describe_error(error, grading.MAX_ERROR_CHARS)}")
+    if not callable(namespace.get(function)):
+        return grading._not_yet(spec, f"the exercise cell does not define {function} any more",
+                                hint=f"keep the line 'def {function}(' of the student edition")
+    return grading.run_check(exercise_id, namespace[function])
+
+
+def stored_report(folder: Path) -> Report:
+    """The verdicts the notebooks stored when they ran (`grading.course_progress`): forgeable."""
+    return Report(STORED, grading.course_progress(Path(folder)))
+
+
+def describe(report: Report, folder: str) -> str:
+    """The report as text: how it was made, the table, and what was skipped."""
+    how = (f"Re-ran every answer in {folder} through its check (stored outputs ignored)." if report.method == RECHECKED
+           else f"Read the verdicts stored in {folder}'s outputs; they are not re-checked and can be faked.")
+    lines = [how, grading.progress_table(report.rows)]
+    if report.skipped:
+        lines.append(f"Skipped as copies of solution notebooks: {', '.join(report.skipped)}")
+    missing = [row.message for row in report.rows if row.status == MISSING]
+    return "\n".join(lines + missing)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m labkit progress [folder] [--source notebooks] [--stored] [--json]`: which exercises pass."""
+    parser = argparse.ArgumentParser(prog="python -m labkit progress", description=main.__doc__)
+    parser.add_argument("folder", nargs="?", default="student", help="a learner's notebooks (default: student)")
+    parser.add_argument("--source", default=str(DEFAULT_SOURCE), help="the solution notebooks (default: notebooks)")
+    parser.add_argument("--stored", action="store_true", help="read stored verdicts instead of re-checking (forgeable)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    report = stored_report(Path(args.folder)) if args.stored else recheck_folder(Path(args.folder), Path(args.source))
+    if args.json:
+        counts = {status: sum(row.status == status for row in report.rows) for status in _RANK}
+        total = {"exercises": len(report.rows), "passed": counts[grading.PASSED], "not_yet": counts[grading.NOT_YET],
+                 "missing": counts[MISSING], "not_run": counts[grading.NOT_RUN]}
+        print(json.dumps({"folder": args.folder, "method": report.method, "skipped": report.skipped,
+                          "exercises": [asdict(row) for row in report.rows], "total": total}, indent=2))
+    else:
+        print(describe(report, args.folder))
+    return 0

@@ -1,0 +1,189 @@
+"""Real nbgrader on a course laid out by `make course` (labkit.course.layout): generate_assignment on 00, 02
+and 05, then one autograde of three learners. alice hands in the solutions (full points), bob the
+untouched release (0 points), carol a release of 00 with 00.1 answered and 00.2's check cell replaced by a
+faked pass (nbgrader restores the locked cell, so 1 of 2). Bad input fails before anything is written.
+
+One autograde run executes five notebooks (about a minute on two cores); everything else reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import grading, student
+from labkit.__main__ import main as labkit_main
+from labkit.course import layout, marks
+from labkit.errors import LabkitError
+
+pytest.importorskip("nbgrader", reason="nbgrader is in the course extra: pip install -e '.[course]'")
+from nbgrader.api import Gradebook  # noqa: E402 (after the skip)
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = [ROOT / "notebooks" / f"{stem}.ipynb" for stem in
+             ("00_start_here", "02_gradients_accumulate", "05_batchnorm_finetuning")]
+ASSIGNMENT = "ps1"
+AUTOGRADE_TIMEOUT_S = 1200
+# The one autograde executes five notebooks (about 70 s of CPU); a busy machine stretches that several times.
+pytestmark = pytest.mark.timeout(AUTOGRADE_TIMEOUT_S + 300)
+
+
+def nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, capture_output=True, text=True,
+                          timeout=AUTOGRADE_TIMEOUT_S, env=layout.environment_with_tools())
+
+
+def hand_in(course: Path, learner: str, notebooks: dict[str, nbformat.NotebookNode]) -> None:
+    folder = course / "submitted" / learner / ASSIGNMENT
+    folder.mkdir(parents=True)
+    for name, nb in notebooks.items():
+        nbformat.write(nb, folder / name)
+
+
+def released(course: Path, name: str) -> nbformat.NotebookNode:
+    return nbformat.read(course / "release" / ASSIGNMENT / name, 4)
+
+
+def faked_00(course: Path) -> nbformat.NotebookNode:
+    """The release of 00 with 00.1 answered and 00.2's check replaced by a hand-made "passed" display."""
+    nb = released(course, "00_start_here.ipynb")
+    solution = student.find_exercises(nbformat.read(NOTEBOOKS[0], 4), "00_start_here.ipynb")["00.1"].solution
+    for cell in nb.cells:
+        if student.exercise_id_of(cell) == "00.1":
+            cell.source = solution
+        if marks.checked_exercise(cell, "cell") == "00.2":
+            payload = {"exercise": "00.2", "notebook": "00_start_here", "passed": True, "message": "✓ Exercise 00.2 passed"}
+            cell.source = f"display({json.dumps({grading.GRADE_MIMETYPE: payload})}, raw=True)"
+            cell.outputs = [nbformat.v4.new_output("display_data", data={grading.GRADE_MIMETYPE: payload})]
+    return nb
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory) -> Path:
+    """A course with ps1 = 00, 02, 05, autograded once for alice, bob and carol."""
+    root = tmp_path_factory.mktemp("course") / "course"
+    layout.create_course(NOTEBOOKS, root, ASSIGNMENT)
+    hand_in(root, "alice", {path.name: nbformat.read(path, 4) for path in NOTEBOOKS})
+    hand_in(root, "bob", {"00_start_here.ipynb": released(root, "00_start_here.ipynb")})
+    hand_in(root, "carol", {"00_start_here.ipynb": faked_00(root)})
+    done = nbgrader(root, "autograde", ASSIGNMENT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (root / "autograde.log").write_text(done.stderr)
+    return root
+
+
+def scores(course: Path, learner: str) -> dict[str, tuple[float, float]]:
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}", layout.COURSE_ID) as gradebook:
+        submission = gradebook.find_submission(ASSIGNMENT, learner)
+        return {nb.name: (nb.score, nb.max_score) for nb in submission.notebooks}
+
+
+def test_the_solutions_get_full_points(course):
+    assert scores(course, "alice") == {
+        "00_start_here": (2.0, 2.0), "02_gradients_accumulate": (2.0, 2.0), "05_batchnorm_finetuning": (2.0, 2.0),
+    }
+
+
+def test_the_untouched_release_gets_nothing(course):
+    assert scores(course, "bob")["00_start_here"] == (0.0, 2.0)
+
+
+def test_a_faked_check_output_is_restored_and_scored_honestly(course):
+    assert scores(course, "carol")["00_start_here"] == (1.0, 2.0)
+    assert "Attribute 'checksum' for cell check_00_2 has changed" in (course / "autograde.log").read_text()
+    graded = nbformat.read(course / "autograded" / "carol" / ASSIGNMENT / "00_start_here.ipynb", 4)
+    (check,) = [cell for cell in graded.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "check_00_2"]
+    assert check.source == 'grading.check("00.2", grad_of_each_call)'
+    assert any(output.get("ename") == "AssertionError" for output in check.outputs)
+
+
+def test_the_release_is_the_student_edition_but_for_the_stub_line(course, tmp_path):
+    student.write_student_edition(ROOT / "notebooks", tmp_path / "student")
+    for path in NOTEBOOKS:
+        ours, theirs = nbformat.read(tmp_path / "student" / path.name, 4), released(course, path.name)
+        assert len(ours.cells) == len(theirs.cells)
+        differing = []
+        for a, b in zip(ours.cells, theirs.cells):
+            assert a.source.count("\n") == b.source.count("\n")
+            differing += [(x.strip(), y.strip()) for x, y in zip(a.source.split("\n"), b.source.split("\n")) if x != y]
+            nbgrader_adds = ("checksum", "cell_type")
+            assert {k: v for k, v in b.metadata.get("nbgrader", {}).items() if k not in nbgrader_adds} == \
+                a.metadata.get("nbgrader", {})
+            assert [a.metadata.get(lock) for lock in ("deletable", "editable")] == \
+                [b.metadata.get(lock) for lock in ("deletable", "editable")]
+        exercises = student.find_exercises(nbformat.read(path, 4), path.name)
+        assert differing == [(student.STUB[1].format(id=eid), "raise NotImplementedError()") for eid in exercises]
+
+
+# ---- bad input: clear errors, nothing written ----------------------------------------------------
+
+
+def renumbered(tmp_path: Path, old: str, new: str) -> Path:
+    """A copy of 00 whose exercise ``old`` is called ``new`` in all three cells, metadata included."""
+    nb = nbformat.read(NOTEBOOKS[0], 4)
+    for cell in nb.cells:
+        if old in cell.source and cell.cell_type == "code":
+            cell.source = cell.source.replace(old, new)
+            meta = cell.metadata.get("nbgrader")
+            if meta:
+                meta["grade_id"] = meta["grade_id"].replace(old.replace(".", "_"), new.replace(".", "_"))
+    path = tmp_path / "notebooks" / NOTEBOOKS[0].name
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    return path
+
+
+def test_an_exercise_the_registry_does_not_know_is_refused(tmp_path):
+    path = renumbered(tmp_path, "00.2", "00.9")
+    with pytest.raises(LabkitError, match=r"exercise 00\.9, which labkit.exercises does not register"):
+        layout.create_course([path], tmp_path / "course", ASSIGNMENT)
+    assert not (tmp_path / "course").exists()
+
+
+def test_an_unlocked_check_cell_is_refused(tmp_path, capsys):
+    nb = nbformat.read(NOTEBOOKS[0], 4)
+    for cell in nb.cells:
+        if marks.checked_exercise(cell, "cell") == "00.1":
+            cell.metadata["nbgrader"]["locked"] = False
+    (tmp_path / "notebooks").mkdir()
+    nbformat.write(nb, tmp_path / "notebooks" / NOTEBOOKS[0].name)
+    with pytest.raises(LabkitError, match=r"check of exercise 00\.1\) is not a locked nbgrader test cell"):
+        layout.create_course([tmp_path / "notebooks" / NOTEBOOKS[0].name], tmp_path / "course", ASSIGNMENT)
+    assert not (tmp_path / "course").exists()
+
+
+def test_a_course_with_handed_in_work_is_not_released_again(course, capsys):
+    before = {path: path.read_bytes() for path in [course / "gradebook.db", *(course / "submitted").rglob("*.ipynb")]}
+    assert labkit_main(["course", "create", "00", "--assignment", ASSIGNMENT, "--dest", str(course)]) == 2
+    assert "learners have handed in assignment ps1" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in before} == before
+
+
+def test_a_folder_the_course_command_did_not_lay_out_is_refused(tmp_path):
+    (tmp_path / "course").mkdir()
+    (tmp_path / "course" / "notes.txt").write_text("mine")
+    with pytest.raises(LabkitError, match="was not laid out by `make course`"):
+        layout.create_course(NOTEBOOKS[:1], tmp_path / "course", ASSIGNMENT)
+    assert [path.name for path in (tmp_path / "course").iterdir()] == ["notes.txt"]
+
+
+def test_the_course_config_names_the_course_kernel_and_timeout(course):
+    config = (course / "nbgrader_config.py").read_text()
+    assert f'c.Execute.kernel_name = "{layout.KERNEL_NAME}"' in config
+    assert f"c.Execute.timeout = {layout.CELL_TIMEOUT_S}" in config
+    kernel = json.loads((course / "kernels" / layout.KERNEL_NAME / "kernel.json").read_text())
+    assert kernel["argv"][0] == sys.executable
+
+
+def test_a_rerun_for_a_new_assignment_keeps_the_gradebook(course):
+    second = course.parent / "second"
+    shutil.copytree(course, second)
+    layout.create_course(NOTEBOOKS[:1], second, "ps2")
+    assert scores(second, "alice")["00_start_here"] == (2.0, 2.0)
+    assert (second / "release" / "ps2" / "00_start_here.ipynb").exists()

@@ -1,0 +1,116 @@
+"""`labkit progress` re-runs a learner's answers through the checks: stored outputs, faked check cells and
+copies of the solution notebook count for nothing, and a deleted exercise cell is named with the fix.
+
+Nothing here starts a kernel: the answers of 00_start_here run in-process, as the progress command runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import grading, student
+from labkit.__main__ import main as labkit_main
+from labkit.course import progress
+from labkit.errors import LabkitError
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "00_start_here.ipynb"
+
+
+@pytest.fixture
+def learner(tmp_path) -> Path:
+    """A learner's folder holding the student edition of 00, untouched."""
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(ROOT / "notebooks" / NAME, source)
+    student.write_student_edition(source, tmp_path / "learner")
+    return tmp_path / "learner"
+
+
+def edit(folder: Path, change) -> None:
+    nb = nbformat.read(folder / NAME, 4)
+    change(nb)
+    nbformat.write(nb, folder / NAME)
+
+
+def answered(exercise_id: str):
+    """The solution of ``exercise_id`` as a learner would type it: the markers gone."""
+    solution = student.find_exercises(nbformat.read(ROOT / "notebooks" / NAME, 4), NAME)[exercise_id].solution
+    text = "\n".join(line for line in solution.split("\n")
+                     if line.strip() not in (student.BEGIN_SOLUTION, student.END_SOLUTION))
+
+    def change(nb):
+        (cell,) = [cell for cell in nb.cells if student.exercise_id_of(cell) == exercise_id]
+        cell.source = text
+    return change
+
+
+def statuses(folder: Path) -> dict[str, str]:
+    report = progress.recheck_folder(folder)
+    assert report.method == progress.RECHECKED
+    return {row.exercise: row.status for row in report.rows if row.exercise.startswith("00.")}
+
+
+def test_an_untouched_edition_is_not_yet_and_an_answer_passes(learner):
+    assert statuses(learner) == {"00.1": grading.NOT_YET, "00.2": grading.NOT_YET}
+    edit(learner, answered("00.1"))
+    assert statuses(learner) == {"00.1": grading.PASSED, "00.2": grading.NOT_YET}
+
+
+def test_a_faked_check_cell_and_stored_pass_count_for_nothing(learner):
+    def fake(nb):
+        payload = {"exercise": "00.2", "notebook": "00_start_here", "passed": True, "message": "✓ Exercise 00.2 passed"}
+        for cell in nb.cells:
+            if 'grading.check("00.2"' in cell.source:
+                cell.source = "print('passed')"
+                cell.outputs = [nbformat.v4.new_output("display_data", data={grading.GRADE_MIMETYPE: payload})]
+    edit(learner, fake)
+    assert statuses(learner)["00.2"] == grading.NOT_YET
+    stored = {row.exercise: row.status for row in progress.stored_report(learner).rows}
+    assert stored["00.2"] == grading.PASSED  # what --stored would have believed
+
+
+def test_a_copy_of_the_solution_notebook_is_skipped_and_named(learner, capsys):
+    shutil.copy(ROOT / "notebooks" / NAME, learner / "00_start_here-Copy1.ipynb")
+    report = progress.recheck_folder(learner)
+    assert report.skipped == ["00_start_here-Copy1.ipynb"]
+    assert {row.exercise: row.status for row in report.rows}["00.1"] == grading.NOT_YET
+    assert labkit_main(["progress", str(learner)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Re-ran every answer in {learner} through its check (stored outputs ignored).")
+    assert "Skipped as copies of solution notebooks: 00_start_here-Copy1.ipynb" in out
+
+
+def test_a_deleted_exercise_cell_is_named_with_the_fix(learner, capsys):
+    edit(learner, lambda nb: nb.cells.remove(next(c for c in nb.cells if student.exercise_id_of(c) == "00.2")))
+    row = next(row for row in progress.recheck_folder(learner).rows if row.exercise == "00.2")
+    assert row.status == progress.MISSING
+    assert "00_start_here.ipynb has no cell starting '# exercise 00.2' (deleted?)" in row.message
+    assert labkit_main(["progress", str(learner), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["method"], report["total"]["missing"]) == (progress.RECHECKED, 1)
+
+
+def test_an_answer_cell_that_never_finishes_is_stopped(learner, monkeypatch):
+    monkeypatch.setattr(grading, "CHECK_TIME_LIMIT_S", 0.5)
+    edit(learner, answered("00.1"))
+    edit(learner, lambda nb: setattr(next(c for c in nb.cells if student.exercise_id_of(c) == "00.1"), "source",
+                                     "# exercise 00.1\nwhile True:\n    pass\n"))
+    row = next(row for row in progress.recheck_folder(learner).rows if row.exercise == "00.1")
+    assert row.status == grading.NOT_YET
+    assert "the exercise cell did not finish within" in row.message  # 0.5 s of CPU, or 3 s of waiting on a busy machine
+
+
+def test_stored_mode_says_it_can_be_faked(learner, capsys):
+    assert labkit_main(["progress", str(learner), "--stored"]) == 0
+    assert "they are not re-checked and can be faked" in capsys.readouterr().out
+
+
+def test_a_missing_source_folder_is_a_clear_error(learner, tmp_path):
+    with pytest.raises(LabkitError, match="no solution notebooks in .*pass --source"):
+        progress.recheck_folder(learner, tmp_path / "nowhere")
