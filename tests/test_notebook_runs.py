@@ -1,13 +1,15 @@
-"""The notebook tests' device logic holds on a machine with GPUs: they still run on the CPU.
+"""The notebook tests' device logic holds on a machine with GPUs: they still run on the CPU; and a
+session runs each notebook once per parameters.
 
 `torch.cuda.is_available()` is patched to True (and two devices reported), as on a GPU runner."""
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from notebook_runs import TEST_DEVICE, cpu_parameters
+from notebook_runs import TEST_DEVICE, cpu_parameters, run_on_cpu
 
 from labkit import repro
 
@@ -41,3 +43,22 @@ def test_every_notebook_test_runs_its_notebook_through_run_on_cpu(test_file):
     calls = _calls(ast.parse(test_file.read_text()))
     assert "run_on_cpu" in calls
     assert not {call for call in calls if call.endswith("run_notebook")}, "use run_on_cpu, not run_notebook"
+
+
+def test_a_second_identical_run_is_a_copy_of_the_first_and_a_changed_notebook_runs_again(make_notebook, tmp_path):
+    runs_log = tmp_path / "runs.log"
+    notebook = make_notebook("counts_its_runs", 'device = "cpu"\nlog = ""',
+                             'from pathlib import Path\nwith Path(log).open("a") as f:\n    f.write("ran\\n")')
+    parameters = {"log": str(runs_log)}
+    first = run_on_cpu(notebook, tmp_path / "first", parameters)
+    second = run_on_cpu(notebook, tmp_path / "second", parameters)
+    assert first.status == second.status == "ok", (first.error, second.error)
+    assert runs_log.read_text() == "ran\n"
+    assert second.output == str((tmp_path / "second" / notebook.name).resolve())
+    assert Path(second.output).read_bytes() == Path(first.output).read_bytes()
+    assert json.loads((tmp_path / "second" / "counts_its_runs.result.json").read_text())["output"] == second.output
+
+    run_on_cpu(notebook, tmp_path / "fresh", parameters, reuse=False)
+    notebook.write_text(notebook.read_text().replace("ran", "ran again"))
+    run_on_cpu(notebook, tmp_path / "changed", parameters)
+    assert runs_log.read_text() == "ran\nran\nran again\n"

@@ -100,3 +100,8 @@ def test_git_hooks_run_pinned_local_tools_and_download_nothing():
     declared = {normalise(r.name) for r in declared_requirements()}
     tools = {hook["entry"].split()[2] for hook in hooks if hook["entry"].startswith("python -m ")}
     assert tools - {"labkit"} <= declared, f"hooks run tools that pyproject does not declare: {tools - declared}"
+
+
+def test_ci_tests_the_lock_and_then_the_newest_releases():
+    commands = re.findall(r"^timed make ([a-z-]+)$", (ROOT / ".ci" / "run").read_text(), flags=re.M)
+    assert commands == ["test", "test-compat"]
