@@ -386,10 +386,8 @@ grading.score()
 # ## Further reading
 # - [torch.autograd](https://docs.pytorch.org/docs/stable/autograd.html)
 # - [Autograd mechanics](https://docs.pytorch.org/docs/stable/notes/autograd.html)
-# -
-#   [torch.optim.Optimizer.zero_grad](https://docs.pytorch.org/docs/stable/generated/torch.optim.Optimizer.zero_grad.html)
-# -
-#   [Zeroing out gradients in PyTorch (recipe)](https://docs.pytorch.org/tutorials/recipes/recipes/zeroing_out_gradients.html)
+# - [torch.optim.Optimizer.zero_grad](https://docs.pytorch.org/docs/stable/generated/torch.optim.Optimizer.zero_grad.html)
+# - [Zeroing out gradients in PyTorch (recipe)](https://docs.pytorch.org/tutorials/recipes/recipes/zeroing_out_gradients.html)
 
 # %% [markdown]
 # ## About this run

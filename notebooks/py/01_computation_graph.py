@@ -1200,15 +1200,11 @@ grading.score()
 # ## Further reading
 # - [Autograd mechanics](https://docs.pytorch.org/docs/stable/notes/autograd.html)
 # - [torch.autograd](https://docs.pytorch.org/docs/stable/autograd.html)
-# -
-#   [torch.autograd.graph (hooks on nodes, saved tensors)](https://docs.pytorch.org/docs/stable/autograd.html#autograd-graph)
-# -
-#   [torch.nn.functional.max_pool2d](https://docs.pytorch.org/docs/stable/generated/torch.nn.functional.max_pool2d.html)
+# - [torch.autograd.graph (hooks on nodes, saved tensors)](https://docs.pytorch.org/docs/stable/autograd.html#autograd-graph)
+# - [torch.nn.functional.max_pool2d](https://docs.pytorch.org/docs/stable/generated/torch.nn.functional.max_pool2d.html)
 # - [torch.where](https://docs.pytorch.org/docs/stable/generated/torch.where.html)
-# -
-#   [Baydin et al. 2018, Automatic differentiation in machine learning: a survey](https://arxiv.org/abs/1502.05767)
-# -
-#   [Pascanu et al. 2013, On the difficulty of training recurrent neural networks](https://arxiv.org/abs/1211.5063)
+# - [Baydin et al. 2018, Automatic differentiation in machine learning: a survey](https://arxiv.org/abs/1502.05767)
+# - [Pascanu et al. 2013, On the difficulty of training recurrent neural networks](https://arxiv.org/abs/1211.5063)
 
 # %% [markdown]
 # ## Appendix: more claims about the article's wording

@@ -1180,14 +1180,10 @@ grading.score()
 
 # %% [markdown]
 # ## Further reading
-# -
-#   [torch.optim.Optimizer.zero_grad](https://docs.pytorch.org/docs/stable/generated/torch.optim.Optimizer.zero_grad.html)
-# -
-#   [torch.nn.CrossEntropyLoss (the `reduction` argument)](https://docs.pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html)
-# -
-#   [torch.nn.utils.clip_grad_norm_](https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_norm_.html)
-# -
-#   [DistributedDataParallel.no_sync (accumulation across processes)](https://docs.pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html)
+# - [torch.optim.Optimizer.zero_grad](https://docs.pytorch.org/docs/stable/generated/torch.optim.Optimizer.zero_grad.html)
+# - [torch.nn.CrossEntropyLoss (the `reduction` argument)](https://docs.pytorch.org/docs/stable/generated/torch.nn.CrossEntropyLoss.html)
+# - [torch.nn.utils.clip_grad_norm_](https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_norm_.html)
+# - [DistributedDataParallel.no_sync (accumulation across processes)](https://docs.pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html)
 # - [Goyal et al. 2017, Accurate, Large Minibatch SGD](https://arxiv.org/abs/1706.02677)
 
 # %% [markdown]

@@ -932,13 +932,10 @@ grading.score()
 
 # %% [markdown]
 # ## Further reading
-# -
-#   [Autograd mechanics: in-place operations](https://docs.pytorch.org/docs/stable/notes/autograd.html#in-place-operations-with-autograd)
-# -
-#   [torch.autograd.gradcheck.gradcheck](https://docs.pytorch.org/docs/stable/generated/torch.autograd.gradcheck.gradcheck.html)
+# - [Autograd mechanics: in-place operations](https://docs.pytorch.org/docs/stable/notes/autograd.html#in-place-operations-with-autograd)
+# - [torch.autograd.gradcheck.gradcheck](https://docs.pytorch.org/docs/stable/generated/torch.autograd.gradcheck.gradcheck.html)
 # - [torch.nn.LayerNorm](https://docs.pytorch.org/docs/stable/generated/torch.nn.LayerNorm.html)
-# -
-#   [Hermans et al. 2017, In Defense of the Triplet Loss for Person Re-Identification](https://arxiv.org/abs/1703.07737)
+# - [Hermans et al. 2017, In Defense of the Triplet Loss for Person Re-Identification](https://arxiv.org/abs/1703.07737)
 # - [Ba et al. 2016, Layer Normalization](https://arxiv.org/abs/1607.06450)
 
 # %% [markdown]

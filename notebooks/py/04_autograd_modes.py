@@ -862,16 +862,12 @@ grading.score()
 
 # %% [markdown]
 # ## Further reading
-# -
-#   [Autograd mechanics: locally disabling gradient computation](https://docs.pytorch.org/docs/stable/notes/autograd.html#locally-disabling-gradient-computation)
+# - [Autograd mechanics: locally disabling gradient computation](https://docs.pytorch.org/docs/stable/notes/autograd.html#locally-disabling-gradient-computation)
 # - [torch.no_grad](https://docs.pytorch.org/docs/stable/generated/torch.no_grad.html)
 # - [torch.inference_mode](https://docs.pytorch.org/docs/stable/generated/torch.inference_mode.html)
-# -
-#   [torch.distributions (sample and rsample)](https://docs.pytorch.org/docs/stable/distributions.html)
-# -
-#   [torch.nn.utils.rnn.pack_padded_sequence](https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.rnn.pack_padded_sequence.html)
-# -
-#   [Kingma & Welling 2014, Auto-Encoding Variational Bayes (the reparameterisation trick)](https://arxiv.org/abs/1312.6114)
+# - [torch.distributions (sample and rsample)](https://docs.pytorch.org/docs/stable/distributions.html)
+# - [torch.nn.utils.rnn.pack_padded_sequence](https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.rnn.pack_padded_sequence.html)
+# - [Kingma & Welling 2014, Auto-Encoding Variational Bayes (the reparameterisation trick)](https://arxiv.org/abs/1312.6114)
 
 # %% [markdown]
 # ## About this run
