@@ -28,7 +28,7 @@ COMPAT_PIP := PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip --isola
 COMPAT_ENV := CUDA_HOME= CUDA_PATH=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup hooks lab notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student course bench repro clean
+.PHONY: help setup hooks lab lab-student notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student course bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -49,8 +49,14 @@ hooks: $(STAMP) ## install the git hooks of .pre-commit-config.yaml (skipped out
 		|| echo "git hooks not installed: run $(VENV)/bin/pre-commit install to see why"; \
 	fi
 
-lab: $(STAMP) ## open the workbook in JupyterLab
+lab: $(STAMP) ## open the workbook with its solutions (notebooks/) in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks/00_start_here.ipynb
+
+# A learner's start: the student edition, written first when there is none (make student never
+# overwrites a notebook that holds a learner's answers).
+lab-student: $(STAMP) ## open the student edition (student/, no solutions) in JupyterLab; writes it first if missing
+	@test -f student/00_start_here.ipynb || $(MAKE) --no-print-directory student
+	$(VENV)/bin/jupyter lab student/00_start_here.ipynb
 
 notebooks: $(STAMP) ## re-execute notebooks in place and sync their py/ twins (NB=05 for one; PREFER=py|ipynb)
 	$(PY) -m labkit execute $(NB) $(if $(PREFER),--prefer $(PREFER))

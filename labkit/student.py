@@ -15,6 +15,7 @@ import copy
 import difflib
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,7 +248,18 @@ def write_student_edition(source: Path, destination: Path, *, force: bool = Fals
     destination.mkdir(parents=True, exist_ok=True)
     for target, edition in editions.items():
         nbformat.write(edition, target)
+    _copy_companions(source, destination)
     return list(editions)
+
+
+# Pages the notebooks link to with relative links, so that the links work in the edition too.
+COMPANION_PAGES = ("GLOSSARY.md",)
+
+
+def _copy_companions(source: Path, destination: Path) -> None:
+    for name in COMPANION_PAGES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, destination / name)
 
 
 def _source_notebooks(source: Path, destination: Path) -> list[Path]:

@@ -66,7 +66,7 @@ def test_normalise_file_names_a_file_it_cannot_read(tmp_path):
 def test_the_kept_cell_metadata_comes_from_jupytext_toml():
     config = (ROOT / "jupytext.toml").read_text()
     assert f'cell_metadata_filter = "{notebooks.jupytext_filters()["cell_metadata_filter"]}"' in config
-    assert notebooks.kept_cell_metadata() == ("tags", "nbgrader")
+    assert notebooks.kept_cell_metadata() == ("tags", "nbgrader", "jupyter")
 
 
 def test_stored_records_reads_one_mimetype_and_names_the_notebook(tmp_path):

@@ -21,7 +21,7 @@ from labkit import claims, notebooks, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = notebooks.workbook_notebooks(ROOT / "notebooks")
-SKELETON_HEADINGS = ("Exercises", "Claims checked", "Summary")
+SKELETON_HEADINGS = ("Summary", "Claims checked", "Exercises")
 
 
 def ids(paths):

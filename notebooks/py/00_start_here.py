@@ -14,6 +14,26 @@
 # | a learner working alone | run this notebook top to bottom, then do its two exercises |
 # | an instructor | `make student` writes the edition without solutions; the README has workshop tracks |
 # | an engineer rerunning one failure | the parameters cell below, and "Run it your way" near the end |
+#
+# **You will learn**
+# - how every notebook here runs: a claim from an article, a reproduction, a measurement, a verdict
+#   and a proven fix
+# - that `.grad` adds up across backward passes, and what a training loop that forgets `zero_grad()`
+#   does
+# - how the graded exercises work: a planted bug, your fix, and a check that tests what your code
+#   does
+#
+# **Prerequisites:** no earlier notebook. You should know: Python functions and classes; PyTorch
+# tensors, `nn.Module` and a training loop (`loss.backward()`, `optimizer.step()`).
+#
+# **Time:** about 15 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 9 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [leaf tensor](GLOSSARY.md#leaf-tensor),
+# [gradient accumulation](GLOSSARY.md#gradient-accumulation), [verdict](GLOSSARY.md#verdict).
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -58,25 +78,15 @@ repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
 # %% [markdown]
-# ## Your machine
-# The fingerprint says what produced these outputs. It differs from machine to machine, so nbval
-# ignores this cell's output (the `NBVAL_IGNORE_OUTPUT` comment), and nothing after it prints
-# anything that depends on the device.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(format_fingerprint(fingerprint()))
-
-# %% [markdown]
 # ## The skeleton every notebook follows
 # 1. **Parameters**: seed, device, sizes, steps, and a `bug` switch where it fits.
 # 2. For each case: **the claim** as the article makes it, with its ID; **a reproduction**;
 #    **the measurement**, printed (and plotted where a picture helps); **the verdict**, recorded with
 #    `claims.check(ID, verdict=..., evidence=...)` where the evidence carries the numbers;
 #    **the fix, proven** by the same measurement.
-# 3. **Exercises**: a planted bug, your fix, and a `grading.check` that tests what your code does.
-# 4. **Claims checked**: the table of every verdict in the notebook.
-# 5. **Summary**.
+# 3. **Summary** and **Claims checked**: what the notebook found, and the table of every verdict.
+# 4. **Exercises**: a planted bug, your fix, and a `grading.check` that tests what your code does.
+# 5. **What comes next** and **Further reading**, with links; at the very end, **About this run**.
 #
 # Verdicts are one of `holds`, `does-not-hold`, `partly`, `needs-gpu` (the case needs a GPU and
 # this machine has none; the GPU code path runs on the GPU runner) or `untestable`.
@@ -105,6 +115,15 @@ after_two = w.grad.clone()
 # which never touches `.grad`. `compare_grads` prints one line per tensor: exact equality, `allclose`,
 # and the largest absolute and relative difference.
 
+# %% [markdown]
+# **Predict before you run.** After two backward passes with nothing in between, does `w.grad` hold
+# exactly `g1 + g2` (write `True`) or only the second gradient (write `False`)?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 # %%
 (g1,) = torch.autograd.grad((w * x1).sum(), w)
 (g2,) = torch.autograd.grad((w * x2).sum(), w)
@@ -112,6 +131,11 @@ sum_report = compare_grads({"w.grad after two": after_two}, {"w.grad after two":
 last_only = compare_grads({"w.grad after two": after_two}, {"w.grad after two": g2})
 print("against g1 + g2:\n" + str(sum_report))
 print("against g2 alone:\n" + str(last_only))
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, sum_report.all_exact, what='w.grad equals g1 + g2 exactly'))
 
 # %% [markdown]
 # **Verdict**, from those numbers:
@@ -219,7 +243,6 @@ def zero_grad_view(lr, steps):
 explorers.explore(zero_grad_view, lr=explorers.slider(0.05, 0.005, 0.2, 0.005, label="learning rate"),
                   steps=explorers.slider(30, 10, 120, 10))
 
-
 # %% [markdown]
 # Without `zero_grad` the loss dips, then swings back up and keeps swinging: each step adds the new
 # gradient to every old one, which is SGD with momentum 1 and no damping. A smaller learning rate
@@ -238,6 +261,23 @@ explorers.explore(zero_grad_view, lr=explorers.slider(0.05, 0.005, 0.2, 0.005, l
 # ```
 #
 # Plain papermill works too: `papermill notebooks/00_start_here.ipynb out.ipynb -p bug False`.
+
+# %% [markdown]
+# ## Summary
+# - `.grad` is an accumulator: every backward pass adds into it (Z1, measured above), so a training
+#   step clears it (`optimizer.zero_grad()`) before its backward pass, or it steps with stale sums.
+# - Every notebook follows this chain: parameters → claim → reproduce → measure → verdict → fix →
+#   summary → claims checked → exercises. `python -m labkit claims` lists every verdict stored in
+#   the workbook without running it.
+# - Each notebook opens with what you will learn and ends with its verdicts, exercises, what comes
+#   next and further reading; the [glossary](GLOSSARY.md) explains the words they use.
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -338,17 +378,27 @@ grading.check("00.2", grad_of_each_call)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb):
+# `.grad` is filled by a backward pass that walks a graph the forward pass recorded; 01 walks that
+# graph node by node.
 
 # %% [markdown]
-# ## Summary
-# - `.grad` is an accumulator: every backward pass adds into it (Z1, measured above), so a training
-#   step clears it (`optimizer.zero_grad()`) before its backward pass, or it steps with stale sums.
-# - Every notebook follows this chain: parameters → claim → reproduce → measure → verdict → fix →
-#   exercises → claims checked → summary. `python -m labkit claims` lists every verdict stored in
-#   the workbook without running it.
-# - The stored outputs are checked by nbval in `make test`; `make notebooks NB=00` refreshes them
-#   after you change a notebook.
+# ## Further reading
+# - [torch.autograd](https://docs.pytorch.org/docs/stable/autograd.html)
+# - [Autograd mechanics](https://docs.pytorch.org/docs/stable/notes/autograd.html)
+# - [torch.optim.Optimizer.zero_grad](https://docs.pytorch.org/docs/stable/generated/torch.optim.Optimizer.zero_grad.html)
+# - [Zeroing out gradients in PyTorch (recipe)](https://docs.pytorch.org/tutorials/recipes/recipes/zeroing_out_gradients.html)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -6,6 +6,29 @@
 # mistakes end in a loud `RuntimeError`, not in wrong gradients. This notebook measures where that
 # guard fires, the one common way around it, and what really caused the NaN, the collapse and the
 # BatchNorm trouble that the articles blame on in-place ops.
+#
+# **You will learn**
+# - how autograd's version counter guards the tensors it saved, and why `relu_` after `tanh` raises
+#   while after a Linear it does not
+# - the one common way around the guard (`.data`) and the silent wrong gradient it gives
+# - what really caused a LayerNorm NaN, an embedding collapse and BatchNorm trouble that articles
+#   blame on in-place ops
+# - how far `gradcheck` can be trusted in float32
+#
+# **Prerequisites:**
+# [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); `torch.autograd.Function` helps for C4.
+#
+# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 28 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [in-place operation](GLOSSARY.md#in-place-operation),
+# [version counter](GLOSSARY.md#version-counter), [saved tensor](GLOSSARY.md#saved-tensor),
+# [running statistics](GLOSSARY.md#running-statistics).
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -492,6 +515,15 @@ claims.metric("triplet_inplace_raised", article_outcome != "trained")
 # out-of-place diagonals, and, for comparison, the batch-all loss (every violating triplet, not
 # only the hardest one per anchor). `GradTracer` records the first layer's gradient std per step.
 
+# %% [markdown]
+# **Predict before you run.** Batch-hard triplet training starts at a between-class cosine of 0.866
+# (1 means every class's embeddings point the same way). Where will it end after training?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 # %%
 runs = {
     "batch-hard, diag_embed": train_embedding(batch_hard_triplet_loss, "diag_embed", triplet_steps, "batch-hard, diag_embed"),
@@ -503,6 +535,11 @@ for name, (losses, cosines, grad_std) in runs.items():
           f"{grad_std[-1]:.2g}   loss {losses[0]:.3f} -> {losses[-1]:.3f} (margin {margin})")
 same_hard_runs = runs["batch-hard, diag_embed"][0] == runs["batch-hard, masked_fill"][0]
 print("diag_embed and masked_fill give identical losses at every step:", same_hard_runs)
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, round(runs["batch-hard, diag_embed"][1][-1][1], 3), what='the final between-class cosine of batch-hard mining'))
 
 # %%
 fig, (cos_ax, std_ax) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
@@ -771,6 +808,29 @@ guarded_forward(guarded, torch.randn(16, 4, generator=generator, dtype=DTYPE).to
 print(f"poisoned batch skipped: {skipped}; running statistics finite: "
       f"{bool(guarded.running_mean.isfinite().all() and guarded.running_var.isfinite().all())}")
 
+# %% [markdown]
+# ## Summary
+# - Autograd's version counter turns most in-place mistakes into a `RuntimeError` at the first
+#   backward: `relu_` after `tanh`, `div_` on a tensor the variance saved, `fill_diagonal_` on a
+#   `cdist` output (C1, C2, C3). Where it does not raise, the in-place result is bit-identical to
+#   the out-of-place one. Writing through `.data` is the way to get silently wrong gradients.
+# - A LayerNorm goes NaN when a row has zero variance and `eps` is missing, with `div_` and `div`
+#   alike (C2). Put `eps` under the square root.
+# - Triplet embeddings can collapse (between-class cosine above 0.95, gradient std falling) under
+#   batch-hard mining, whatever the diagonal handling; batch-all mining avoided it here (C3).
+# - The article's float32 gradcheck recipe (`eps=atol=rtol=1e-3`) catches a missing factor but
+#   passes a small error, and float32 with gradcheck's defaults rejects a correct backward; run it
+#   in float64 and tighten `rtol` for small errors (C4).
+# - BatchNorm's running-statistics update never clashes with autograd (C5). Train-mode NaN comes
+#   from a non-finite value spreading through the batch statistics into the running buffers; a
+#   batch of one is an error, not a NaN.
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -867,24 +927,27 @@ grading.check("03.2", distance_backward)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [04 · Autograd modes: no_grad, inference_mode, sampling and packed sequences](04_autograd_modes.ipynb):
+# in-place ops are one way to break a gradient; 04 measures the switches that stop one on purpose.
 
 # %% [markdown]
-# ## Summary
-# - Autograd's version counter turns most in-place mistakes into a `RuntimeError` at the first
-#   backward: `relu_` after `tanh`, `div_` on a tensor the variance saved, `fill_diagonal_` on a
-#   `cdist` output (C1, C2, C3). Where it does not raise, the in-place result is bit-identical to
-#   the out-of-place one. Writing through `.data` is the way to get silently wrong gradients.
-# - A LayerNorm goes NaN when a row has zero variance and `eps` is missing, with `div_` and `div`
-#   alike (C2). Put `eps` under the square root.
-# - Triplet embeddings can collapse (between-class cosine above 0.95, gradient std falling) under
-#   batch-hard mining, whatever the diagonal handling; batch-all mining avoided it here (C3).
-# - The article's float32 gradcheck recipe (`eps=atol=rtol=1e-3`) catches a missing factor but
-#   passes a small error, and float32 with gradcheck's defaults rejects a correct backward; run it
-#   in float64 and tighten `rtol` for small errors (C4).
-# - BatchNorm's running-statistics update never clashes with autograd (C5). Train-mode NaN comes
-#   from a non-finite value spreading through the batch statistics into the running buffers; a
-#   batch of one is an error, not a NaN.
+# ## Further reading
+# - [Autograd mechanics: in-place operations](https://docs.pytorch.org/docs/stable/notes/autograd.html#in-place-operations-with-autograd)
+# - [torch.autograd.gradcheck.gradcheck](https://docs.pytorch.org/docs/stable/generated/torch.autograd.gradcheck.gradcheck.html)
+# - [torch.nn.LayerNorm](https://docs.pytorch.org/docs/stable/generated/torch.nn.LayerNorm.html)
+# - [Hermans et al. 2017, In Defense of the Triplet Loss for Person Re-Identification](https://arxiv.org/abs/1703.07737)
+# - [Ba et al. 2016, Layer Normalization](https://arxiv.org/abs/1607.06450)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

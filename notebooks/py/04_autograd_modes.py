@@ -5,6 +5,33 @@
 # non-differentiable op such as `Normal.sample()`, or where a loss never reads a value. This
 # notebook measures which switches really cut a gradient, which only look as if they do, and what
 # `model.train()`, `rsample()` and `pack_padded_sequence` actually change.
+#
+# **You will learn**
+# - that `model.train()` and `torch.no_grad()` are two independent switches, and what each one
+#   changes
+# - why `sample()` gives an actor no gradient and `rsample()` does
+# - how a value computed under `no_grad` silently freezes a parameter
+# - why an LSTM's final state is wrong on a padded batch unless it is packed
+#
+# **Prerequisites:**
+# [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); dropout, BatchNorm and an LSTM by name.
+#
+# **Time:** about 25 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 16 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [train and eval mode](GLOSSARY.md#train-and-eval-mode),
+# [no_grad and inference_mode](GLOSSARY.md#no_grad-and-inference_mode),
+# [reparameterisation](GLOSSARY.md#reparameterisation),
+# [packed sequence](GLOSSARY.md#packed-sequence),
+# [running statistics](GLOSSARY.md#running-statistics).
+#
+# **GPU-only cells:** 1 cell (case N5) runs only on a CUDA GPU; on a CPU it prints at most one line
+# saying so. It is collapsed: click the bar at a collapsed cell's left to open it.
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -100,11 +127,25 @@ print(f"modules with training=True: {train_flags} of {len(list(model.modules()))
 # **Measure.** `train()` did not touch the grad mode. What it did change is the modules'
 # behaviour, and that still happens under `no_grad`:
 
+# %% [markdown]
+# **Predict before you run.** After `model.train()`, the model ran forward passes under
+# `torch.no_grad()`. Did BatchNorm's running mean change (`True` or `False`)?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 # %%
 running_stats_moved = not torch.equal(mean_before, model[2].running_mean)
 dropout_active = not torch.equal(first_output, second_output)
 print(f"BatchNorm running_mean changed by the no_grad forwards: {running_stats_moved}")
 print(f"two forwards on the same batch differ (dropout active): {dropout_active}")
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, running_stats_moved, what="BatchNorm's running mean changed under no_grad"))
 
 # %% [markdown]
 # And `torch.inference_mode()`, the proposed replacement? It disables gradients the same way, and
@@ -596,7 +637,7 @@ class HandWrittenReLU(torch.autograd.Function):
         return grad_output * (x > 0)
 
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 if dev.type == "cuda":
     import triton
@@ -700,6 +741,27 @@ if dev.type != "cuda":
         ),
     )
 
+# %% [markdown]
+# ## Summary
+# - `model.train()` and `model.eval()` switch module behaviour (dropout, BatchNorm statistics);
+#   `torch.no_grad()` and `inference_mode()` switch gradient recording. They are independent:
+#   `train()` inside `no_grad` records no graph, but it does update BatchNorm's running statistics
+#   (N1). Evaluate with `model.eval()` *and* `no_grad`.
+# - `Normal.sample()` has no gradient; `rsample()` is the reparameterised draw, and `log_prob()` is
+#   differentiable as it is (N2). An actor trained through `sample()` receives nothing.
+# - Any op under `no_grad` in the forward pass cuts the parameters behind it off the loss:
+#   `GradTracer` reports them `missing`, `autograd_graph` lists them unreachable (N3).
+# - `pad_packed_sequence` only changes the layout; packing is what keeps padding out of the LSTM
+#   state and its gradients (N4).
+# - A custom CUDA ReLU backward (N5) is a GPU timing question: a Triton kernel, gradchecked, timed with
+#   CUDA events against torch.relu; on a CPU it is `needs-gpu`.
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -795,22 +857,28 @@ grading.check("04.2", last_hidden_state)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [05 · BatchNorm during fine-tuning: what eval and train mode really do](05_batchnorm_finetuning.ipynb):
+# train and eval mode change BatchNorm most of all; 05 measures what that does to fine-tuning.
 
 # %% [markdown]
-# ## Summary
-# - `model.train()` and `model.eval()` switch module behaviour (dropout, BatchNorm statistics);
-#   `torch.no_grad()` and `inference_mode()` switch gradient recording. They are independent:
-#   `train()` inside `no_grad` records no graph, but it does update BatchNorm's running statistics
-#   (N1). Evaluate with `model.eval()` *and* `no_grad`.
-# - `Normal.sample()` has no gradient; `rsample()` is the reparameterised draw, and `log_prob()` is
-#   differentiable as it is (N2). An actor trained through `sample()` receives nothing.
-# - Any op under `no_grad` in the forward pass cuts the parameters behind it off the loss:
-#   `GradTracer` reports them `missing`, `autograd_graph` lists them unreachable (N3).
-# - `pad_packed_sequence` only changes the layout; packing is what keeps padding out of the LSTM
-#   state and its gradients (N4).
-# - A custom CUDA ReLU backward (N5) is a GPU timing question: a Triton kernel, gradchecked, timed with
-#   CUDA events against torch.relu; on a CPU it is `needs-gpu`.
+# ## Further reading
+# - [Autograd mechanics: locally disabling gradient computation](https://docs.pytorch.org/docs/stable/notes/autograd.html#locally-disabling-gradient-computation)
+# - [torch.no_grad](https://docs.pytorch.org/docs/stable/generated/torch.no_grad.html)
+# - [torch.inference_mode](https://docs.pytorch.org/docs/stable/generated/torch.inference_mode.html)
+# - [torch.distributions (sample and rsample)](https://docs.pytorch.org/docs/stable/distributions.html)
+# - [torch.nn.utils.rnn.pack_padded_sequence](https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.rnn.pack_padded_sequence.html)
+# - [Kingma & Welling 2014, Auto-Encoding Variational Bayes (the reparameterisation trick)](https://arxiv.org/abs/1312.6114)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

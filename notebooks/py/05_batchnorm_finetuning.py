@@ -6,6 +6,28 @@
 # This notebook pretrains a real backbone on scikit-learn's digits 0-4, fine-tunes a head on digits
 # 5-9, and measures gradients, running statistics and accuracy over several seeds and batch sizes.
 # Four claims (family D) are checked on the way; one of them is the case this workbook is known for.
+#
+# **You will learn**
+# - what eval and train mode do to a frozen backbone's BatchNorm while a new head trains
+# - how running statistics drift on small fine-tuning batches, and what that costs in accuracy over
+#   seeds
+# - which of the article's two remedies works, and why
+# - where a BatchNorm NaN comes from, and the look-alike failures of fine-tuning
+#
+# **Prerequisites:**
+# [04 · Autograd modes: no_grad, inference_mode, sampling and packed sequences](04_autograd_modes.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); what BatchNorm normalises.
+#
+# **Time:** about 35 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 21 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [running statistics](GLOSSARY.md#running-statistics),
+# [train and eval mode](GLOSSARY.md#train-and-eval-mode),
+# [batch statistics](GLOSSARY.md#batch-statistics).
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -63,10 +85,6 @@ dev = repro.setup(seed=seed, device=device)
 # The models here are tiny, so one CPU thread runs them faster than several competing ones, and it
 # keeps every float64 sum in one order whatever the machine's core count.
 torch.set_num_threads(1)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(format_fingerprint(fingerprint()))
 
 # %% [markdown]
 # ## The set-up: a pretrained backbone and a new head
@@ -372,6 +390,16 @@ print(claims.case("D2").claim)
 # reproduction the parameters ask for: with `bug=True` the backbone is left in train mode while the
 # head trains.
 
+# %% [markdown]
+# **Predict before you run.** With `bug=True` the frozen backbone's BatchNorm stays in train mode
+# while the head trains on small batches. What test accuracy (a share from 0 to 1) will the
+# fine-tuned model reach?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 # %%
 reproduction = finetune(seed, all_train if bug else all_eval)
 drift_text = ", ".join(f"{d:.3f}" for d in reproduction.drift)
@@ -379,6 +407,11 @@ print(f"bug={bug}, batch_size={batch_size}: test accuracy {reproduction.eval_acc
       f"per BatchNorm layer {drift_text} pretrained std")
 claims.metric("eval_acc", round(reproduction.eval_acc, 4))
 claims.metric("running_mean_drift", round(max(reproduction.drift), 4))
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, round(reproduction.eval_acc, 3), what='the test accuracy with the backbone left in train mode'))
 
 # %% [markdown]
 # **Measure**, over seeds and batch sizes: each set-up's test accuracy, as mean ± standard deviation
@@ -861,7 +894,6 @@ recalibration_consistent = [size for size, (against_eval, _, _) in recalibration
 print(f"largest |recalibrated - eval| {largest_against_eval:.1%}; smallest eval-mode seed spread {smallest_spread:.1%}; "
       f"batch sizes where recalibration moved accuracy the same way on every seed: {recalibration_consistent or 'none'}")
 
-
 # %% [markdown]
 # With the default parameters, recalibrated statistics and plain eval mode differ by less than a
 # point on average at each batch size, while changing the seed moves eval-mode accuracy by 3 to 9
@@ -872,6 +904,34 @@ print(f"largest |recalibrated - eval| {largest_against_eval:.1%}; smallest eval-
 # train mode's cost at small batches (the "against train" column), on two of three seeds at batch 2.
 # How much re-estimating the statistics pays elsewhere depends on how far the data has shifted; here
 # the shift (measure 1) is about a quarter of a standard deviation.
+
+# %% [markdown]
+# ## Summary
+# - `model.eval()` does not take gradients away (D1): the head's weight gradient needs only the head's
+#   input, and BatchNorm's backward in eval mode saves what it needs. A weight gradient that is `None`
+#   next to a healthy bias gradient means that weight is frozen: look for a loose name match in the
+#   freezing code. `GradTracer`'s `frozen` / `missing` flags show it in one step.
+# - For a frozen backbone, eval mode is the right mode. The article's headline remedy (D2), BatchNorm
+#   left in train mode with its weight and bias frozen, cost accuracy on every seed at batch 4: freezing
+#   the parameters does not freeze the statistics. Its precise variant, BatchNorm in eval and frozen,
+#   is eval mode again when there is no dropout; it earns its keep when the whole network trains on
+#   small batches.
+# - Train mode on a frozen backbone is the real failure (D4): its running statistics follow the last
+#   ~20 fine-tuning batches, wander with small batches, disagree with eval mode, and cost accuracy at
+#   small batch sizes; a last batch of one sample crashes it. Re-estimating the statistics once on the
+#   whole new set avoids that cost too; on this task it was within seed noise of plain eval mode.
+# - `track_running_stats=False` has nothing to do with train-mode NaN (D3); it removes the running
+#   statistics, so eval depends on the batch. An eval-mode NaN after a skipped bad batch means the
+#   running statistics were poisoned: check inputs before the forward pass.
+# - Rerun with `python -m labkit repro 05_batchnorm_finetuning --sweep batch_size=4,16,64 --sweep seed=0,1,2`:
+#   `eval_acc` (the reproduction's accuracy) and `running_mean_drift` per run.
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -979,28 +1039,27 @@ grading.check("05.2", recalibrate_batchnorm)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [06 · Optimizers and weight decay: what Adam, AdamW and the schedulers really do](06_optimizers_weight_decay.ipynb):
+# a head trains on top of the frozen backbone with an optimizer; 06 measures what Adam and AdamW
+# really do to the weights.
 
 # %% [markdown]
-# ## Summary
-# - `model.eval()` does not take gradients away (D1): the head's weight gradient needs only the head's
-#   input, and BatchNorm's backward in eval mode saves what it needs. A weight gradient that is `None`
-#   next to a healthy bias gradient means that weight is frozen: look for a loose name match in the
-#   freezing code. `GradTracer`'s `frozen` / `missing` flags show it in one step.
-# - For a frozen backbone, eval mode is the right mode. The article's headline remedy (D2), BatchNorm
-#   left in train mode with its weight and bias frozen, cost accuracy on every seed at batch 4: freezing
-#   the parameters does not freeze the statistics. Its precise variant, BatchNorm in eval and frozen,
-#   is eval mode again when there is no dropout; it earns its keep when the whole network trains on
-#   small batches.
-# - Train mode on a frozen backbone is the real failure (D4): its running statistics follow the last
-#   ~20 fine-tuning batches, wander with small batches, disagree with eval mode, and cost accuracy at
-#   small batch sizes; a last batch of one sample crashes it. Re-estimating the statistics once on the
-#   whole new set avoids that cost too; on this task it was within seed noise of plain eval mode.
-# - `track_running_stats=False` has nothing to do with train-mode NaN (D3); it removes the running
-#   statistics, so eval depends on the batch. An eval-mode NaN after a skipped bad batch means the
-#   running statistics were poisoned: check inputs before the forward pass.
-# - Rerun with `python -m labkit repro 05_batchnorm_finetuning --sweep batch_size=4,16,64 --sweep seed=0,1,2`:
-#   `eval_acc` (the reproduction's accuracy) and `running_mean_drift` per run.
+# ## Further reading
+# - [torch.nn.BatchNorm2d](https://docs.pytorch.org/docs/stable/generated/torch.nn.BatchNorm2d.html)
+# - [torch.nn.BatchNorm1d](https://docs.pytorch.org/docs/stable/generated/torch.nn.BatchNorm1d.html)
+# - [torch.nn.Module.eval](https://docs.pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module.eval)
+# - [Ioffe & Szegedy 2015, Batch Normalization](https://arxiv.org/abs/1502.03167)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -7,6 +7,27 @@
 # per-layer step sizes under AdamW with and without warmup, the AdamW update written out by hand,
 # layer-wise decay with parameter groups, and StepLR against CosineAnnealingLR. Five claims
 # (family E) are checked on the way.
+#
+# **You will learn**
+# - where `Adam(weight_decay=...)` puts the decay and why it differs from AdamW's decoupled decay
+# - what happens to a weight the data never pushes, under each optimizer
+# - the AdamW update written out by hand, and per-layer decay with parameter groups
+# - what StepLR and CosineAnnealingLR do to the learning rate
+#
+# **Prerequisites:**
+# [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); the idea of momentum.
+#
+# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 16 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [weight decay](GLOSSARY.md#weight-decay),
+# [update to data ratio](GLOSSARY.md#update-to-data-ratio),
+# [parameter group](GLOSSARY.md#parameter-group).
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -64,10 +85,6 @@ dev = repro.setup(seed=seed, device=device)
 # The models here are tiny, so one CPU thread runs them faster than several competing ones, and it
 # keeps every float64 sum in one order whatever the machine's core count.
 torch.set_num_threads(1)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(format_fingerprint(fingerprint()))
 
 # %% [markdown]
 # ## The data, the model and the training loop
@@ -186,12 +203,22 @@ for ax, name in zip(axes, ("Adam", "AdamW")):
 axes[0].set_ylabel("weight (starts at 0.5)")
 plt.show()
 
-
 # %% [markdown]
 # **Reproduce in training, with the planted mistake.** The MLP trained on the digits; with `bug=True`
 # the optimizer is `Adam(weight_decay=…)`, with `bug=False` it is `AdamW(weight_decay=…)`. The probe:
 # the norm of the first-layer weights that read the always-blank pixels, after training over before.
 # Both optimizers get the same decay value.
+
+# %% [markdown]
+# **Predict before you run.** The weights that read always-blank pixels get no gradient from the
+# data. After training with `Adam(weight_decay=...)` (`bug=True`), what share of their starting norm
+# will they keep (0 to 1)?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 
 # %%
 def blank_weight_ratio(model, initial_first_layer):
@@ -240,6 +267,11 @@ print(f"bug={bug}: {optimizer_class.__name__}(weight_decay={weight_decay:g}), {s
       f"keep {reproduction.blank_ratio:.1%} of their norm")
 claims.metric("blank_weight_ratio", round(reproduction.blank_ratio, 4))
 claims.metric("test_acc", round(test_accuracy(reproduction.model), 4))
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, round(reproduction.blank_ratio, 3), what='the share of their norm the blank-pixel weights keep'))
 
 # %% [markdown]
 # **Measure the "drift".** What decay does each weight of the first layer really feel while the model
@@ -779,7 +811,6 @@ for base_lr in base_lrs:
           f"below a constant lr too: {beats_constant[base_lr]}; test accuracy against StepLR "
           f"{mean_of(base_lr, 'CosineAnnealingLR', 'acc') - mean_of(base_lr, 'StepLR', 'acc'):+.1%}")
 
-
 # %% [markdown]
 # With the default parameters cosine ended below StepLR on every seed at both base lrs, with higher
 # mean test accuracy: on this task the switch the article recommends paid. It also gives the run more
@@ -787,6 +818,30 @@ for base_lr in base_lrs:
 # the curve. Against a constant lr it won at base lr 1 but not at 0.1, where the constant lr's larger
 # total mattered more. Compare schedules on your own task, over seeds, as above
 # (`python -m labkit repro 06_optimizers_weight_decay -p sgd_lr 0.3 --sweep seed=0,1,2` reruns it).
+
+# %% [markdown]
+# ## Summary
+# - `Adam(weight_decay=λ)` is L2 regularisation: `λ·θ` joins the gradient and is divided by `√v̂`
+#   like the rest of it (E1, E2, read in the pinned source and measured). A weight the data never
+#   pushes walks to 0 at `lr` per step whatever λ is. `AdamW(weight_decay=λ)`, or
+#   `Adam(…, decoupled_weight_decay=True)`, shrinks every weight by `1 - lr·λ` per step.
+# - Adam's effective decay per weight is `λ / (√v̂ + ε)`: it changes during training and differs by
+#   orders of magnitude between weights; AdamW's is λ for every weight.
+# - The real AdamW step is `θ·(1 - lr·λ) - lr·m̂/(√v̂ + ε)` (E4); a formula without `√v̂` is not Adam.
+#   Per-layer decay values are parameter groups; give biases and normalisation parameters none.
+# - Per-layer step sizes under AdamW do differ (E3); watch the update:data ratio per layer. Warmup
+#   scales every layer alike; on this task it was not needed.
+# - Switching StepLR to CosineAnnealingLR (E5) ended lower on every seed at both base lrs here; cosine
+#   also gives the run more total learning rate, so measure it over seeds on your own task.
+# - Rerun with `python -m labkit repro 06_optimizers_weight_decay -p bug False`: `blank_weight_ratio`
+#   (the blank-pixel weights' norm after/before) and `test_acc` per run.
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -889,24 +944,30 @@ grading.check("06.2", layerwise_param_groups)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [07 · Gradient clipping: which norm, which order, and what it cannot fix](07_gradient_clipping.ipynb):
+# an optimizer step is only as good as the gradient it gets; 07 measures what clipping does to a
+# spiking one.
 
 # %% [markdown]
-# ## Summary
-# - `Adam(weight_decay=λ)` is L2 regularisation: `λ·θ` joins the gradient and is divided by `√v̂`
-#   like the rest of it (E1, E2, read in the pinned source and measured). A weight the data never
-#   pushes walks to 0 at `lr` per step whatever λ is. `AdamW(weight_decay=λ)`, or
-#   `Adam(…, decoupled_weight_decay=True)`, shrinks every weight by `1 - lr·λ` per step.
-# - Adam's effective decay per weight is `λ / (√v̂ + ε)`: it changes during training and differs by
-#   orders of magnitude between weights; AdamW's is λ for every weight.
-# - The real AdamW step is `θ·(1 - lr·λ) - lr·m̂/(√v̂ + ε)` (E4); a formula without `√v̂` is not Adam.
-#   Per-layer decay values are parameter groups; give biases and normalisation parameters none.
-# - Per-layer step sizes under AdamW do differ (E3); watch the update:data ratio per layer. Warmup
-#   scales every layer alike; on this task it was not needed.
-# - Switching StepLR to CosineAnnealingLR (E5) ended lower on every seed at both base lrs here; cosine
-#   also gives the run more total learning rate, so measure it over seeds on your own task.
-# - Rerun with `python -m labkit repro 06_optimizers_weight_decay -p bug False`: `blank_weight_ratio`
-#   (the blank-pixel weights' norm after/before) and `test_acc` per run.
+# ## Further reading
+# - [torch.optim.AdamW](https://docs.pytorch.org/docs/stable/generated/torch.optim.AdamW.html)
+# - [torch.optim.Adam](https://docs.pytorch.org/docs/stable/generated/torch.optim.Adam.html)
+# - [torch.optim: per-parameter options](https://docs.pytorch.org/docs/stable/optim.html#per-parameter-options)
+# - [torch.optim.lr_scheduler.CosineAnnealingLR](https://docs.pytorch.org/docs/stable/generated/torch.optim.lr_scheduler.CosineAnnealingLR.html)
+# - [Loshchilov & Hutter 2019, Decoupled Weight Decay Regularization](https://arxiv.org/abs/1711.05101)
+# - [Kingma & Ba 2015, Adam: A Method for Stochastic Optimization](https://arxiv.org/abs/1412.6980)
+# - [Loshchilov & Hutter 2017, SGDR: Stochastic Gradient Descent with Warm Restarts](https://arxiv.org/abs/1608.03983)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -5,6 +5,26 @@
 # You will measure what `clip_grad_norm_` and `clip_grad_value_` do to a gradient (its size and its
 # direction), compare L1 with L2 clipping on a small CNN hit by gradient spikes, watch a clipping
 # call placed before `unscale_` freeze training, and see why no clipping call repairs a NaN.
+#
+# **You will learn**
+# - what `clip_grad_norm_` and `clip_grad_value_` do to a gradient's size and direction
+# - L1 against L2 norm clipping on a small CNN hit by gradient spikes
+# - why clipping before `scaler.unscale_` freezes training without an error
+# - why no clipping call repairs a NaN
+#
+# **Prerequisites:**
+# [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); vector norms.
+#
+# **Time:** about 25 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 40 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [gradient clipping](GLOSSARY.md#gradient-clipping), [loss scale](GLOSSARY.md#loss-scale),
+# [update to data ratio](GLOSSARY.md#update-to-data-ratio).
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -57,10 +77,6 @@ bug: bool = True  # True runs the planted bug, False the fix
 # %%
 repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(format_fingerprint(fingerprint()))
 
 # %% [markdown]
 # Everything runs on `dev` in float64, so that a CPU and a GPU print the same rounded numbers. The
@@ -304,7 +320,6 @@ claims.check(
     ),
 )
 
-
 # %% [markdown]
 # **The fix.** Choose the threshold from the norms you measure (the value `clip_grad_norm_` returns),
 # and clip by norm when the gradient's direction must survive. A clip that never fires is no safety
@@ -317,6 +332,17 @@ claims.check(
 # Clip before that, and `clip_grad_norm_` measures a norm 65536 times too large and shrinks every
 # step to `max_norm / 65536` of its size. Nothing fails; training just stops moving.
 # `GradTracer(update_ratio=True)` records each step's `||Δp|| / ||p||` per parameter.
+
+# %% [markdown]
+# **Predict before you run.** With `bug=True` the gradients are clipped before `scaler.unscale_`, so
+# the clipped norm is measured on gradients 65536 times too large. What median update to data ratio
+# will the first layer get? (Around 1e-3 is the usual healthy value.)
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 
 # %%
 def train_with_scaler(clip_before_unscale, label):
@@ -350,6 +376,11 @@ scaled_accuracy, scaled_ratio = test_accuracy(scaled_model, digits), median_upda
 print(f"bug={bug}: test accuracy {scaled_accuracy:.3f}; median update:data ratio of the first layer {scaled_ratio:.2g}")
 claims.metric("scaler_test_accuracy", round(scaled_accuracy, 3))
 claims.metric("scaler_update_ratio", float(f"{scaled_ratio:.2g}"))
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, float(f"{scaled_ratio:.2g}"), what="the first layer's median update to data ratio"))
 
 # %%
 figure = plot_grad_stat(scaled_history, "update_ratio")
@@ -649,6 +680,24 @@ safe_losses, safe_skips, safe_finite, safe_alerts = train_sqrt_model(safe=True, 
 print(f"safe op: loss {safe_losses[0]:.3f} -> {safe_losses[-1]:.3f}; {safe_skips} steps skipped; "
       f"{len(safe_alerts)} non-finite alerts; parameters finite: {safe_finite}")
 
+# %% [markdown]
+# ## Summary
+# - `clip_grad_norm_` clips by the L2 norm unless told otherwise (F1); at one `max_norm` the
+#   inf-norm clips least and the L1 norm most, so compare norms only at calibrated thresholds.
+# - Value clipping turns the gradient, norm clipping does not; a value clip far above every entry does
+#   nothing at all, and neither does a norm clip above the total norm (F2). Log the total norm.
+# - L1 clipping showed no robustness benefit over L2 on a spiky small CNN once both thresholds were
+#   calibrated; clipping itself was what helped (F3).
+# - With a `GradScaler`, call `unscale_` before clipping, or every step shrinks by the loss scale.
+# - Clipping bounds a divergence, but multiplies a NaN gradient into every parameter (F4): find the
+#   op with anomaly mode or the tracer's `nonfinite` alerts, skip non-finite steps, and fix the op.
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -745,19 +794,26 @@ grading.check("07.2", guarded_step)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [08 · Gradient health: watching every layer's gradient while it trains](08_gradient_health.ipynb):
+# clipping treats a symptom; 08 watches every layer's gradient to find where it starts.
 
 # %% [markdown]
-# ## Summary
-# - `clip_grad_norm_` clips by the L2 norm unless told otherwise (F1); at one `max_norm` the
-#   inf-norm clips least and the L1 norm most, so compare norms only at calibrated thresholds.
-# - Value clipping turns the gradient, norm clipping does not; a value clip far above every entry does
-#   nothing at all, and neither does a norm clip above the total norm (F2). Log the total norm.
-# - L1 clipping showed no robustness benefit over L2 on a spiky small CNN once both thresholds were
-#   calibrated; clipping itself was what helped (F3).
-# - With a `GradScaler`, call `unscale_` before clipping, or every step shrinks by the loss scale.
-# - Clipping bounds a divergence, but multiplies a NaN gradient into every parameter (F4): find the
-#   op with anomaly mode or the tracer's `nonfinite` alerts, skip non-finite steps, and fix the op.
+# ## Further reading
+# - [torch.nn.utils.clip_grad_norm_](https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_norm_.html)
+# - [torch.nn.utils.clip_grad_value_](https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_value_.html)
+# - [Automatic mixed precision examples: gradient clipping](https://docs.pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping)
+# - [Pascanu et al. 2013, On the difficulty of training recurrent neural networks](https://arxiv.org/abs/1211.5063)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -6,6 +6,29 @@
 # dead, missing, exploding), then measures five claims about gradient monitoring: how early gradients
 # warn, what a hook sees, why a bias gradient can be zero, what a broken skip connection looks like,
 # and how small LayerNorm gradients really are.
+#
+# **You will learn**
+# - how to read per-layer gradient statistics with `labkit.GradTracer`: vanishing, saturated, dead,
+#   missing and exploding
+# - how early gradient statistics warn of divergence, compared with the loss
+# - what a `register_post_accumulate_grad_hook` sees, and why a bias gradient can be zero
+# - what a broken skip connection and LayerNorm gradients look like
+#
+# **Prerequisites:**
+# [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb),
+# [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); tensor hooks help.
+#
+# **Time:** about 40 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 31 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [update to data ratio](GLOSSARY.md#update-to-data-ratio),
+# [vanishing and exploding gradients](GLOSSARY.md#vanishing-and-exploding-gradients),
+# [dead unit](GLOSSARY.md#dead-unit), [hook](GLOSSARY.md#hook).
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -63,10 +86,6 @@ bug: bool = True  # True runs the planted bug, False the fix
 # %%
 repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(format_fingerprint(fingerprint()))
 
 # %% [markdown]
 # Models run on `dev` in float64, so a CPU and a GPU print the same rounded numbers. The data are
@@ -369,6 +388,16 @@ class ArticleMonitor:
 # its threshold by 0.1 %), and a GPU rounds differently, so nbval ignores the outputs of this run;
 # the papermill tests check its verdict.
 
+# %% [markdown]
+# **Predict before you run.** With `bug=True` the learning-rate warm-up is not capped. Will the run
+# diverge (`True` or `False`)?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 def warmup_lr(step, capped):
@@ -432,6 +461,11 @@ print(f"first warning the twin did not share: {first_warning[:2] if first_warnin
       f"first tracer 'exploding' alert at step {tracer_step}")
 claims.metric("diverged", diverged)
 claims.metric("first_exploding_alert", "none" if tracer_step is None else tracer_step)
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, diverged, what='the run diverges'))
 
 # %% [markdown]
 # **Measure: the signal that fires first.** The full gradient std of the parameter behind the
@@ -931,11 +965,34 @@ claims.check(
     ),
 )
 
-
 # %% [markdown]
 # **The fix.** Compare gradient sizes per entry (RMS, or the tracer's `std`), not by norm, when two
 # parameters have different numbers of entries; and set alert thresholds from your own run's history
 # rather than from another model's "normal range".
+
+# %% [markdown]
+# ## Summary
+# - `GradTracer` reads each gradient in `register_post_accumulate_grad_hook` (L2: once per backward
+#   pass, after accumulation) and turns per-layer std, update:data ratios, saturation, dead units and
+#   missing gradients into alerts; `plot_grad_flow`, `plot_grad_stat` and `plot_grad_histograms`
+#   draw them.
+# - L1: the article's monitor, run as its code is written, is judged on its first alert that a
+#   capped healthy twin did not raise too, against the loss alarm (the verdict cell prints the lead
+#   and the measured cost). Its rule is blind to NaN and to missing gradients; its sampled log can
+#   miss a sparse spike that the full-std alert catches.
+# - A bias gradient does not see the Dropout mask in front of its layer (L3); std 0 means a
+#   normalisation right after it or dead units.
+# - A skip concatenated without channel alignment crashes the decoder built for aligned channels, and
+#   once widened to fit it trains with ordinary decoder gradients, not below 1e-6 (L4).
+# - Compare gradients of differently sized parameters per entry: LayerNorm's are not 100x smaller
+#   per entry (L5).
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -1031,24 +1088,26 @@ grading.check("08.2", spike_alert)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [09 · Residual design: pre- versus post-activation, measured](09_residual_design.ipynb): a skip
+# connection is the usual cure for a vanishing gradient; 09 measures how clean its identity path is.
 
 # %% [markdown]
-# ## Summary
-# - `GradTracer` reads each gradient in `register_post_accumulate_grad_hook` (L2: once per backward
-#   pass, after accumulation) and turns per-layer std, update:data ratios, saturation, dead units and
-#   missing gradients into alerts; `plot_grad_flow`, `plot_grad_stat` and `plot_grad_histograms`
-#   draw them.
-# - L1: the article's monitor, run as its code is written, is judged on its first alert that a
-#   capped healthy twin did not raise too, against the loss alarm (the verdict cell prints the lead
-#   and the measured cost). Its rule is blind to NaN and to missing gradients; its sampled log can
-#   miss a sparse spike that the full-std alert catches.
-# - A bias gradient does not see the Dropout mask in front of its layer (L3); std 0 means a
-#   normalisation right after it or dead units.
-# - A skip concatenated without channel alignment crashes the decoder built for aligned channels, and
-#   once widened to fit it trains with ordinary decoder gradients, not below 1e-6 (L4).
-# - Compare gradients of differently sized parameters per entry: LayerNorm's are not 100x smaller
-#   per entry (L5).
+# ## Further reading
+# - [torch.Tensor.register_post_accumulate_grad_hook](https://docs.pytorch.org/docs/stable/generated/torch.Tensor.register_post_accumulate_grad_hook.html)
+# - [torch.Tensor.register_hook](https://docs.pytorch.org/docs/stable/generated/torch.Tensor.register_hook.html)
+# - [torch.nn.Module.register_full_backward_hook](https://docs.pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module.register_full_backward_hook)
+# - [Karpathy 2019, A Recipe for Training Neural Networks](https://karpathy.github.io/2019/04/25/recipe/)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -5,6 +5,27 @@
 # path for the gradient. You will measure, on deep residual MLPs trained on digits, how much of the
 # gradient the ReLU after the addition (post-activation, "ResNet v1") really cuts, what reaches the
 # first block, whether the pre-activation identity path ("ResNet v2") is exact, and what it buys.
+#
+# **You will learn**
+# - how much gradient a ReLU after the addition (post-activation, ResNet v1) cuts from the skip path
+# - whether the pre-activation identity path (ResNet v2) is exact, tested with zero-initialised
+#   branches
+# - how a half-converted block hides a non-identity skip
+#
+# **Prerequisites:**
+# [08 · Gradient health: watching every layer's gradient while it trains](08_gradient_health.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); what a residual block is.
+#
+# **Time:** about 15 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 50 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [identity path](GLOSSARY.md#identity-path),
+# [pre-activation and post-activation](GLOSSARY.md#pre-activation-and-post-activation),
+# [vanishing and exploding gradients](GLOSSARY.md#vanishing-and-exploding-gradients).
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -54,10 +75,6 @@ bug: bool = True  # True runs the planted bug, False the fix
 # %%
 repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(format_fingerprint(fingerprint()))
 
 # %% [markdown]
 # Everything runs on `dev` in float64 so that a CPU and a GPU print the same rounded numbers. The
@@ -315,6 +332,16 @@ claims.check(
 # delete the ReLU after the addition. The block still trains, but its skip is no longer an
 # identity. The same zero-init measurement shows it, with the block as the parameters cell says:
 
+# %% [markdown]
+# **Predict before you run.** With `bug=True` the converted block keeps a ReLU after the addition.
+# With zero-initialised branches, will the first block's input gradient still equal the top gradient
+# exactly (`True` or `False`)?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 # %%
 converted = block_input_grads(identity_only("pre-activation", deepest, relu_after_add=bug))
 converted_report = compare_grads({"dL/dx": converted[0]}, {"dL/dx": converted[-1]})
@@ -324,6 +351,11 @@ print(f"bug={bug}: first-block input gradient equals the top gradient exactly: {
 claims.metric("identity_exact", converted_report.all_exact)
 claims.metric("identity_nonzero_share", round(converted_nonzero, 3))
 
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, converted_report.all_exact, what='the skip stays an exact identity'))
+
 # %% [markdown]
 # **The fix, proven.** Delete the ReLU after the addition:
 
@@ -331,6 +363,24 @@ claims.metric("identity_nonzero_share", round(converted_nonzero, 3))
 fixed = block_input_grads(identity_only("pre-activation", deepest, relu_after_add=False))
 fixed_report = compare_grads({"dL/dx": fixed[0]}, {"dL/dx": fixed[-1]})
 print(f"fixed block: exact identity path: {fixed_report.all_exact}; non-zero share {(fixed[0] != 0).to(DTYPE).mean().item():.0%}")
+
+# %% [markdown]
+# ## Summary
+# - Only a pre-activation block's skip is an exact identity for the gradient (M1); a ReLU after the
+#   addition, in v1 blocks or left behind in a converted v2 block, gates it.
+# - That ReLU zeroed well under half of the entries per block here, because the skip carries
+#   non-negative values; the next branch's weights refill the zeroed entries, so the share of
+#   non-zero entries of dL/dx reaching the first block was 100% in both designs.
+# - Measure survival with the norm ratio and an exact comparison on zero-init branches; "dL/dx != 0"
+#   cannot tell the designs apart.
+# - On digits the pre-activation design reached a higher test accuracy after a short training at
+#   both depths tried; the article's CIFAR-100 numbers are not reproducible here without a download.
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
 
 
 # %% [markdown]
@@ -413,19 +463,26 @@ grading.check("09.2", gradient_survival)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [10 · Mixed precision: fp16, bf16 and the loss scaler](10_mixed_precision.ipynb): gradients that
+# survive the depth can still vanish in 16-bit numbers; 10 measures fp16 and bf16.
 
 # %% [markdown]
-# ## Summary
-# - Only a pre-activation block's skip is an exact identity for the gradient (M1); a ReLU after the
-#   addition, in v1 blocks or left behind in a converted v2 block, gates it.
-# - That ReLU zeroed well under half of the entries per block here, because the skip carries
-#   non-negative values; the next branch's weights refill the zeroed entries, so the share of
-#   non-zero entries of dL/dx reaching the first block was 100% in both designs.
-# - Measure survival with the norm ratio and an exact comparison on zero-init branches; "dL/dx != 0"
-#   cannot tell the designs apart.
-# - On digits the pre-activation design reached a higher test accuracy after a short training at
-#   both depths tried; the article's CIFAR-100 numbers are not reproducible here without a download.
+# ## Further reading
+# - [He et al. 2016, Deep Residual Learning for Image Recognition](https://arxiv.org/abs/1512.03385)
+# - [He et al. 2016, Identity Mappings in Deep Residual Networks](https://arxiv.org/abs/1603.05027)
+# - [Goyal et al. 2017, Accurate, Large Minibatch SGD (zero-initialised residual branches)](https://arxiv.org/abs/1706.02677)
+# - [torchvision ResNet (zero_init_residual)](https://docs.pytorch.org/vision/stable/models/resnet.html)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -5,6 +5,30 @@
 # exponent range, bf16 keeps fp32's range but only 8 significant bits. This notebook measures what
 # each format does to real gradients, how `torch.amp.GradScaler` moves its loss scale, what autocast
 # does to the loss, and what happens when the scale collapses, against five claims about them.
+#
+# **You will learn**
+# - what fp16 and bf16 keep of a number: range, precision and subnormals
+# - how many real gradient values underflow in fp16, and how `GradScaler`'s loss scale saves them
+# - what autocast does to the loss, and where `backward` must run
+# - what happens when the loss scale collapses
+#
+# **Prerequisites:**
+# [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb),
+# [07 · Gradient clipping: which norm, which order, and what it cannot fix](07_gradient_clipping.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); binary floating point helps.
+#
+# **Time:** about 35 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 16 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [subnormal](GLOSSARY.md#subnormal), [loss scale](GLOSSARY.md#loss-scale),
+# [autocast](GLOSSARY.md#autocast), [underflow](GLOSSARY.md#underflow).
+#
+# **GPU-only cells:** 1 cell (case G3) runs only on a CUDA GPU; on a CPU it prints at most one line
+# saying so. It is collapsed: click the bar at a collapsed cell's left to open it.
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -55,10 +79,6 @@ bug: bool = True  # True runs the planted bug, False the fix
 repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(format_fingerprint(fingerprint()))
-
 # %% [markdown]
 # ## Three formats, one layout
 # A floating-point number is a sign, an exponent and a mantissa. The exponent bits set the range,
@@ -73,6 +93,15 @@ print(format_fingerprint(fingerprint()))
 # Below the smallest *normal* number the implicit leading 1 is dropped and the exponent stays at its
 # minimum: these *subnormal* numbers trade precision for range, one bit per halving, down to a single
 # bit. `torch.finfo` reports the smallest normal number as both `smallest_normal` and `tiny`.
+
+# %% [markdown]
+# **Predict before you run.** fp16's largest value is 65504. What is the smallest positive number it
+# can hold? (Write it like `1e-5`.)
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
 
 # %%
 FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -96,6 +125,11 @@ for name, dtype in FORMATS.items():
     info = torch.finfo(dtype)
     print(f"{name:<6} {info.eps:>10.3g} {info.max:>11.4g} {info.smallest_normal:>16.4g} "
           f"{smallest_positive(dtype):>18.4g}")
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, smallest_positive(torch.float16), what='the smallest positive fp16 number'))
 
 # %% [markdown]
 # ## Real gradients
@@ -645,7 +679,7 @@ print(f"scaler.scale() of an fp16 loss returns {scaled_dtype}")
 # The same measurement with CUDA autocast, on the GPU runner (CUDA's autocast lists differ from the
 # CPU's, so the dtypes may too):
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 if dev.type == "cuda":
     for name, (dtype, report) in autocast_backward_table("cuda").items():
@@ -844,12 +878,36 @@ claims.check(
     ),
 )
 
-
 # %% [markdown]
 # **The fix.** A collapsing scale is an alarm, not the disease: log `scaler.get_scale()` and count
 # skipped steps, and find what produces the NaN. As a safety net, a floor under the scale keeps it
 # off 0 without touching clean steps; exercise 10.2 builds one. Against an inf scale the guard
 # needs the other test too: `not math.isfinite(scale) or scale < 1e-3`.
+
+# %% [markdown]
+# ## Summary
+# - fp16's smallest positive value is 2^-24 ≈ 6e-8; 6.1e-5 is only where its subnormals begin.
+#   Gradients between the two keep fewer bits; only those under 2^-25 become 0. On digits late in
+#   training that is a real share of the activation gradients, and loss scaling recovers most (G1).
+# - bf16 has fp32's range and no underflow worth scaling for, at the price of 8-bit precision: keep
+#   float32 master weights with either format (G5).
+# - GradScaler's defaults are 2^16, 2.0, 0.5 and 2000, its scale is float32 (a 0.6 backoff is
+#   harmless), and the setting that hurts when wrong is a low `init_scale` (G2). A `GradTracer`
+#   given the optimizer records each step the scaler skipped, with a `skipped_step` alert.
+# - Backward inside or outside autocast gives identical gradients; built-in losses come out in
+#   float32 under autocast, a hand-written loss in fp16, whose first scaled step overflows wherever
+#   backward runs (G3: the rule and its reason graded apart).
+# - The scale cannot grow to inf, `unscale_` skips inf gradients, and the article's
+#   `get_scale() < 1e-3` guard never fires on an inf scale (G4). A long NaN burst drives the scale
+#   to 0, after which parameters turn NaN; a floor prevents that but leaves fp16 underflow behind
+#   (G6); find what makes the NaN, and keep a floor under the scale only as a net.
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -947,25 +1005,28 @@ grading.check("10.2", step_and_update)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [11 · torch.compile: gradients, drift and what to keep out of a graph](11_compile_drift.ipynb):
+# mixed precision changes the arithmetic on purpose; 11 measures how much compiled kernels change
+# it.
 
 # %% [markdown]
-# ## Summary
-# - fp16's smallest positive value is 2^-24 ≈ 6e-8; 6.1e-5 is only where its subnormals begin.
-#   Gradients between the two keep fewer bits; only those under 2^-25 become 0. On digits late in
-#   training that is a real share of the activation gradients, and loss scaling recovers most (G1).
-# - bf16 has fp32's range and no underflow worth scaling for, at the price of 8-bit precision: keep
-#   float32 master weights with either format (G5).
-# - GradScaler's defaults are 2^16, 2.0, 0.5 and 2000, its scale is float32 (a 0.6 backoff is
-#   harmless), and the setting that hurts when wrong is a low `init_scale` (G2). A `GradTracer`
-#   given the optimizer records each step the scaler skipped, with a `skipped_step` alert.
-# - Backward inside or outside autocast gives identical gradients; built-in losses come out in
-#   float32 under autocast, a hand-written loss in fp16, whose first scaled step overflows wherever
-#   backward runs (G3: the rule and its reason graded apart).
-# - The scale cannot grow to inf, `unscale_` skips inf gradients, and the article's
-#   `get_scale() < 1e-3` guard never fires on an inf scale (G4). A long NaN burst drives the scale
-#   to 0, after which parameters turn NaN; a floor prevents that but leaves fp16 underflow behind
-#   (G6); find what makes the NaN, and keep a floor under the scale only as a net.
+# ## Further reading
+# - [Automatic mixed precision (torch.amp)](https://docs.pytorch.org/docs/stable/amp.html)
+# - [Automatic mixed precision examples](https://docs.pytorch.org/docs/stable/notes/amp_examples.html)
+# - [torch.finfo](https://docs.pytorch.org/docs/stable/type_info.html#torch.finfo)
+# - [Micikevicius et al. 2018, Mixed Precision Training](https://arxiv.org/abs/1710.03740)
+# - [Kalamkar et al. 2019, A Study of BFLOAT16 for Deep Learning Training](https://arxiv.org/abs/1905.12322)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -7,6 +7,26 @@
 # the last bits. This notebook measures how much: relu's gradient at exactly 0, compiled against
 # eager gradients against a float64 reference, drift over hundreds of training steps, how to keep a
 # module out of compilation, and whether splitting large operations pays.
+#
+# **You will learn**
+# - why compiled and eager gradients differ in the last bits, and how to compare them against a
+#   float64 reference
+# - relu's derivative at exactly 0 in eager and compiled code
+# - how drift grows over hundreds of training steps
+# - how to keep a module out of compilation (and what `_compiled = False` does not do)
+#
+# **Prerequisites:**
+# [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); floating-point rounding.
+#
+# **Time:** about 20 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 23 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [subgradient](GLOSSARY.md#subgradient), [float64 reference](GLOSSARY.md#float64-reference).
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -58,10 +78,6 @@ bug: bool = True  # True runs the planted bug, False the fix
 # %%
 repro.check_parameters(globals())
 dev = repro.setup(seed=seed, device=device)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(format_fingerprint(fingerprint()))
 
 # %% [markdown]
 # ## Compiling costs seconds, so this notebook compiles twice
@@ -426,11 +442,21 @@ print(f"files reading `_compiled` from an object other than `self`: {readers or 
 users = [path for path, text in sources.items() if re.search(ANY_USE, text)]
 print(f"{len(searched)} source files searched in torch {torch.__version__}; files using the name at all: {users or 'none'}")
 
-
 # %% [markdown]
 # **Reproduce.** Keep the model's head out of compilation, as the `bug` switch says: the article's
 # `head._compiled = False`, or `torch.compiler.disable` on the head's `forward`. Then list what
 # `torch.compile` captured, per module.
+
+# %% [markdown]
+# **Predict before you run.** With `bug=True` the head is excluded with the article's
+# `head._compiled = False`. How many of the head's operations will `torch.compile` still capture (0
+# if the flag works)?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 
 # %%
 def exclude_head(model, use_article_flag):
@@ -451,6 +477,11 @@ graph_count, ops, head_ops = head_exclusion(use_article_flag=bug)
 print(f"bug={bug}: {graph_count} graph(s) captured: " + ", ".join(f"{path}:{op}" for path, op in ops))
 print(f"ops captured from the head: {head_ops}")
 claims.metric("head_ops_captured", head_ops)
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, head_ops, what='operations captured from the excluded head'))
 
 # %% [markdown]
 # **The fix, proven.** `torch.compiler.disable` on the head's `forward`: the head runs eagerly, the
@@ -598,10 +629,30 @@ else:
         evidence="a speed claim about GPU kernels (SMs, warps); the timing cell above runs on the GPU runner as it is",
     )
 
-
 # %% [markdown]
 # **The fix.** Measure before splitting: a single large matmul is what cuBLAS tiles best, and a
 # graph's node count says nothing by itself about its speed.
+
+# %% [markdown]
+# ## Summary
+# - torch's relu (every built-in form) uses slope 0 at exactly 0, compiled or not; `maximum` and
+#   `(x + |x|)/2` use 0.5, and so does a central finite difference; `clamp`'s slope there changed
+#   between torch releases (1 under 2.13, 0 under 2.15) (H4).
+# - Compiled gradients differ from eager ones by float32 rounding and stay as close to a float64
+#   reference as eager does, over hundreds of steps; no loss rise, no shrunken head gradient (H1).
+# - torch has no `_compiled` switch. `torch.compiler.disable` on a module's `forward` keeps it
+#   eager; `gradcheck` in float64 verifies compiled layers where they are differentiable (H2).
+# - Node counts are free to measure and say little; whether splitting a large op pays is a GPU
+#   timing question, answered on a GPU (H3).
+# - Compare compiled gradients with `compare_grads` against float64 at a float32 tolerance, never
+#   with exact equality against eager float32 (exercise 11.1).
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -692,21 +743,26 @@ grading.check("11.2", exclude_from_compile)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [12 · Batch size: gradient noise, throughput and the global batch](12_batch_size.ipynb): compiling
+# is one way to buy speed; 12 measures what the batch size buys and costs.
 
 # %% [markdown]
-# ## Summary
-# - torch's relu (every built-in form) uses slope 0 at exactly 0, compiled or not; `maximum` and
-#   `(x + |x|)/2` use 0.5, and so does a central finite difference; `clamp`'s slope there changed
-#   between torch releases (1 under 2.13, 0 under 2.15) (H4).
-# - Compiled gradients differ from eager ones by float32 rounding and stay as close to a float64
-#   reference as eager does, over hundreds of steps; no loss rise, no shrunken head gradient (H1).
-# - torch has no `_compiled` switch. `torch.compiler.disable` on a module's `forward` keeps it
-#   eager; `gradcheck` in float64 verifies compiled layers where they are differentiable (H2).
-# - Node counts are free to measure and say little; whether splitting a large op pays is a GPU
-#   timing question, answered on the GPU runner (H3).
-# - Compare compiled gradients with `compare_grads` against float64 at a float32 tolerance, never
-#   with exact equality against eager float32 (exercise 11.1).
+# ## Further reading
+# - [torch.compile](https://docs.pytorch.org/docs/stable/generated/torch.compile.html)
+# - [torch.compiler](https://docs.pytorch.org/docs/stable/torch.compiler.html)
+# - [torch.compiler.disable](https://docs.pytorch.org/docs/stable/generated/torch.compiler.disable.html)
+# - [Numerical accuracy](https://docs.pytorch.org/docs/stable/notes/numerical_accuracy.html)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -6,6 +6,31 @@
 # notebook measures each of them against four claims: batch sizes that must be multiples of 32, a
 # utilisation and loss-noise table for ResNet-50, the global-batch formula, and a scheduler that
 # doubles or halves the batch according to GPU utilisation.
+#
+# **You will learn**
+# - how gradient noise falls with the batch size, measured with per-sample gradients
+#   (`torch.func.vmap`)
+# - what a batch size that is not a multiple of 32 costs
+# - the global batch formula with several devices and accumulation
+# - what a scheduler that changes the batch size does to a summed loss
+#
+# **Prerequisites:**
+# [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); mean and variance.
+#
+# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 26 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [global batch](GLOSSARY.md#global-batch), [micro-batch](GLOSSARY.md#micro-batch),
+# [gradient noise](GLOSSARY.md#gradient-noise),
+# [update to data ratio](GLOSSARY.md#update-to-data-ratio).
+#
+# **GPU-only cells:** 3 cells (cases J1, J2, J4) run only on a CUDA GPU; on a CPU they print at most
+# one line saying so. They are collapsed: click the bar at a collapsed cell's left to open it.
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -100,7 +125,7 @@ print(claims.case("J1").claim)
 # are too noisy to show a step of a few per cent, so this runs on the GPU runner only; its output
 # depends on the machine, so nbval ignores it.
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 def timing_mlp(width):
     torch.manual_seed(seed)
@@ -277,7 +302,7 @@ print("loss noise falls at every doubling:", noise_falls)
 # article's batch sizes. NVML's utilisation is the share of time in which some kernel was running,
 # not the share of busy SMs, so it saturates long before the GPU does.
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 def small_cnn():
     torch.manual_seed(seed)
@@ -516,7 +541,6 @@ for scheduled in scheduler_batches:
     print(f"scheduled {scheduled:>3}: {len(sub_batches)} optimizer step(s) on sub-batches of {sub_batches}")
 largest_effective = max(len(piece) for s in scheduler_batches for piece in loader_rows.split(s))
 
-
 # %% [markdown]
 # Every size above the loader's batch gives the same single sub-batch, so the GPU can never see
 # more than 32 rows at once and "doubling" changes nothing there; halving only adds optimizer
@@ -528,6 +552,17 @@ largest_effective = max(len(piece) for s in scheduler_batches for piece in loade
 # `GradTracer`. The bug switch decides how the loss is reduced: a sum over the batch with a learning
 # rate tuned for the first size (`lr / scheduler_batches[0]`), or a mean with `lr`. Both runs are
 # identical at the first size.
+
+# %% [markdown]
+# **Predict before you run.** With `bug=True` the loss is summed while the schedule doubles the
+# batch from 16 to 256. By what factor will the median update to data ratio grow from the first
+# batch size to the last?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 
 # %%
 def train_with_schedule(summed_loss):
@@ -566,6 +601,11 @@ growth = ratios[-1] / ratios[0]
 # Three significant digits: a diverging run amplifies the last bits that differ between CPUs.
 claims.metric("update_ratio_growth", float(f"{growth:.3g}"))
 claims.metric("final_loss", float(f"{losses[-1]:.3g}") if math.isfinite(losses[-1]) else "non-finite")
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, float(f"{growth:.3g}"), what='the growth of the median update to data ratio'))
 
 # %% [markdown]
 # **Measure.** The update:data ratio, step by step, on a log scale; the dotted lines mark each
@@ -606,7 +646,7 @@ print(", ".join(f"batch {b}: {r:,.0f} samples/s" for b, r in rates.items()), f"(
 # utilisation is sampled over each window of steps and fed to the scheduler, against a run that
 # keeps the first size throughout.
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 def utilisation_run(adaptive, windows=8, window_steps=20):
     """Batch size and mean NVML utilisation per window; None where NVML gives no reading."""
@@ -684,13 +724,33 @@ print(f"mean loss: the update:data ratio changes by a factor {fixed_ratios[-1] /
       f"full-data loss {fixed_losses[steps_per_batch - 1]:.3f} → {fixed_losses[-1]:.3f}")
 print("the loss keeps falling after the first batch size:", fixed_losses[-1] < fixed_losses[steps_per_batch - 1])
 
-
 # %% [markdown]
 # ## Run it your way
 # ```
 # python -m labkit repro 12_batch_size -p bug False
 # python -m labkit repro 12_batch_size -p noise_draws 1000 --sweep seed=0,1,2
 # ```
+
+# %% [markdown]
+# ## Summary
+# - Gradient noise falls as `1/B` (J2, slope measured above): a larger batch is less noisy, never
+#   more. The claimed rise of the loss's std from batch 32 to 64 is the wrong way round.
+# - Batch sizes need not be multiples of the warp size (J1): the batch maps to matrix rows and
+#   tiles, and at worst a partial tile costs a step in time, measured on a GPU.
+# - The global batch is per-device × devices × accumulation steps (J3), and it is the same update
+#   as one big batch when micro-batch losses are means divided by the steps and devices are averaged.
+# - A utilisation-driven batch scheduler (J4) cannot exceed the loader's batch in the article's loop,
+#   and changing the batch mid-run changes the step: with a summed loss each doubling doubles it.
+#   The utilisation figures need the GPU runner.
+
+# %% [markdown]
+# ## Claims checked
+# J1 and J4 are `needs-gpu` on a CPU and measured on a GPU: the table names them, and their verdicts
+# are in their own cells above.
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -780,21 +840,27 @@ grading.check("12.2", expected_gradient_noise)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-# J1 and J4 are `needs-gpu` on a CPU and measured on a GPU: the table names them, and their verdicts
-# are in their own cells above.
-
-# %%
-claims.table()
+# ## What comes next
+# [13 · Memory: where the bytes of a training step go](13_memory.ipynb): a larger batch needs more
+# memory; 13 counts where the bytes of a training step go.
 
 # %% [markdown]
-# ## Summary
-# - Gradient noise falls as `1/B` (J2, slope measured above): a larger batch is less noisy, never
-#   more. The claimed rise of the loss's std from batch 32 to 64 is the wrong way round.
-# - Batch sizes need not be multiples of the warp size (J1): the batch maps to matrix rows and
-#   tiles, and at worst a partial tile costs a step in time, measured on the GPU runner.
-# - The global batch is per-device × devices × accumulation steps (J3), and it is the same update
-#   as one big batch when micro-batch losses are means divided by the steps and devices are averaged.
-# - A utilisation-driven batch scheduler (J4) cannot exceed the loader's batch in the article's loop,
-#   and changing the batch mid-run changes the step: with a summed loss each doubling doubles it.
-#   The utilisation figures need the GPU runner.
+# ## Further reading
+# - [torch.func.vmap](https://docs.pytorch.org/docs/stable/generated/torch.func.vmap.html)
+# - [Per-sample gradients (tutorial)](https://docs.pytorch.org/tutorials/intermediate/per_sample_grads.html)
+# - [torch.utils.data.DataLoader](https://docs.pytorch.org/docs/stable/data.html)
+# - [Goyal et al. 2017, Accurate, Large Minibatch SGD](https://arxiv.org/abs/1706.02677)
+# - [McCandlish et al. 2018, An Empirical Model of Large-Batch Training](https://arxiv.org/abs/1812.06162)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -7,6 +7,34 @@
 # from the allocator. With it we check eight claims about memory: what dominates, ViT-Base's
 # arithmetic, a bandwidth puzzle, torch.fx checkpointing, `torch.compile` against OOM, FlashAttention,
 # `memory_summary` and ResNet-50 at batch 96. Then a leak that grows every step.
+#
+# **You will learn**
+# - what a training step holds: weights, gradients, optimizer state, saved activations and
+#   temporaries
+# - four ways to count them with `labkit.memory`: exactly, by formula, on fake tensors and from the
+#   allocator
+# - what activation checkpointing saves and costs
+# - how a running loss total that is a tensor leaks memory every step
+#
+# **Prerequisites:**
+# [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb),
+# [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); bytes per float32.
+#
+# **Time:** about 45 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 28 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [saved tensor](GLOSSARY.md#saved-tensor),
+# [activation checkpointing](GLOSSARY.md#activation-checkpointing),
+# [peak memory](GLOSSARY.md#peak-memory), [fake tensor](GLOSSARY.md#fake-tensor).
+#
+# **GPU-only cells:** 5 cells (cases K2, K3, K5, K6, K8) run only on a CUDA GPU; on a CPU they print
+# at most one line saying so. They are collapsed: click the bar at a collapsed cell's left to open
+# it.
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -373,7 +401,7 @@ print(f"one layer at batch 1, saved for backward with its input: fused attention
 # On a GPU, the whole ViT-Base at batch 32 trains for two real steps and the CUDA allocator's peak is
 # read, next to the allocation-free estimate for CUDA:
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 if dev.type == "cuda":
     torch.manual_seed(seed)
@@ -445,7 +473,7 @@ arithmetic_holds = abs(bytes_moved / bandwidth - 0.6e-3) < 1e-9
 # and the weight gradients. That lower bound over the time gives a bandwidth to set against the
 # copy bandwidth measured on the same GPU and the datasheet's.
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 def backward_time(model, images, benchmark):
     torch.backends.cudnn.benchmark = benchmark
@@ -736,7 +764,7 @@ mentions_memory_cost = "more memory" in reduce_overhead and "CUDA" in reduce_ove
 # allocated and peak reserved memory, over the whole run (compilation and graph recording included)
 # and over three steady-state steps after the allocator's peak counters are reset.
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 ONE_MODE_SCRIPT = """
 import json, sys
@@ -883,7 +911,7 @@ for length, (fused, explicit) in attention_saved.items():
 # on that curve, not a constant. For a whole model the share also depends on everything else it
 # keeps. The speed claims need a GPU: forward and backward of both, in bfloat16, at 2,048 tokens.
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 def attention_cost(module, x):
     def forward_backward():
@@ -1102,7 +1130,7 @@ for precision, result in resnet_memory.items():
 # 80 GB. On a GPU the real ResNet-50 trains two steps at batch 96 and the CUDA allocator's
 # peak, workspaces included, is read:
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 if dev.type == "cuda":
     torch.manual_seed(seed)
@@ -1181,11 +1209,20 @@ held_nodes = graph_nodes(running_total) if isinstance(running_total, torch.Tenso
 print(f"bug={bug}: the running total is a {type(running_total).__name__}; autograd nodes it keeps alive: {held_nodes}")
 claims.metric("held_graph_nodes", held_nodes)
 
-
 # %% [markdown]
 # **Measure.** The allocator's highest rise while the loop runs, for `validation_steps` steps and
 # for twice as many; the difference per step is what each step leaves behind. Next to it, the exact
 # bytes one validation pass saves (model and loss together, `memory.saved_bytes`).
+
+# %% [markdown]
+# **Predict before you run.** A validation pass run without `torch.no_grad()` saves tensors for a
+# backward that never comes. How many bytes does one pass save for this small MLP?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 
 # %%
 class ValidationLoss(nn.Module):
@@ -1201,6 +1238,11 @@ class ValidationLoss(nn.Module):
 
 one_pass_saves = memory.saved_bytes(ValidationLoss(digits_mlp()), validation_x, validation_y)
 print(f"one validation pass saves {one_pass_saves:,} B for a backward that never comes")
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, one_pass_saves, what='the bytes one validation pass saves'))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1229,6 +1271,32 @@ print(f"fixed loop: peak rise {fixed_short} and {fixed_long}")
 
 # %%
 print(f"fixed loop keeps {fixed_growth:,} B per step: its total is a float, which holds no graph")
+
+# %% [markdown]
+# ## Summary
+# - A step holds weights, gradients, optimizer state, activations *and* backward's temporaries;
+#   activations dominate only above a model's crossover batch (K1): about a dozen images for
+#   ViT-Base, several hundred rows for the digits MLP, every batch for a convolutional net.
+#   Convolution kernels add private workspace on top, which an estimate must measure kernel by
+#   kernel (`kernel_workspace="measure"`) to match the allocator.
+# - ViT-Base's real numbers are 86.6M parameters, 346 MB of weights, 346 MB of gradients, 693 MB of
+#   AdamW state and about 10 MB of activations per layer per image (K2); the article's 125, 500 and
+#   894 MB are wrong.
+# - The article's fx checkpointing pass never runs, and fails when it does (K4); checkpoint whole
+#   blocks, passing the function, to trade about one extra forward for most of the activations.
+# - `reduce-overhead` is CUDA graphs, documented to cost memory (K5); fused attention's saving grows
+#   with the sequence length (K6); `memory_summary` knows nothing about weight decay (K7); ResNet-50
+#   at batch 96 needs about a tenth of an 80 GB A100 (K8). GPU timings run on a GPU (K3).
+# - Adding loss tensors into a running total keeps one validation graph alive per step: add
+#   `loss.item()` under `torch.no_grad()`.
+
+# %% [markdown]
+# ## Claims checked
+# K3, K5 and K6 are `needs-gpu` on a CPU and measured on a GPU: the table names them, and their
+# verdicts are in their own cells above.
+
+# %%
+claims.table()
 
 
 # %% [markdown]
@@ -1338,27 +1406,28 @@ grading.check("13.2", checkpointed_forward)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-# K3, K5 and K6 are `needs-gpu` on a CPU and measured on a GPU: the table names them, and their
-# verdicts are in their own cells above.
-
-# %%
-claims.table()
+# ## What comes next
+# [14 · Data loading: what DataLoader workers share, and what they do not](14_data_loading.ipynb):
+# memory is one bottleneck of a training step; 14 measures the input pipeline that feeds it.
 
 # %% [markdown]
-# ## Summary
-# - A step holds weights, gradients, optimizer state, activations *and* backward's temporaries;
-#   activations dominate only above a model's crossover batch (K1): about a dozen images for
-#   ViT-Base, several hundred rows for the digits MLP, every batch for a convolutional net.
-#   Convolution kernels add private workspace on top, which an estimate must measure kernel by
-#   kernel (`kernel_workspace="measure"`) to match the allocator.
-# - ViT-Base's real numbers are 86.6M parameters, 346 MB of weights, 346 MB of gradients, 693 MB of
-#   AdamW state and about 10 MB of activations per layer per image (K2); the article's 125, 500 and
-#   894 MB are wrong.
-# - The article's fx checkpointing pass never runs, and fails when it does (K4); checkpoint whole
-#   blocks, passing the function, to trade about one extra forward for most of the activations.
-# - `reduce-overhead` is CUDA graphs, documented to cost memory (K5); fused attention's saving grows
-#   with the sequence length (K6); `memory_summary` knows nothing about weight decay (K7); ResNet-50
-#   at batch 96 needs about a tenth of an 80 GB A100 (K8). GPU timings run on the GPU runner (K3).
-# - Adding loss tensors into a running total keeps one validation graph alive per step: add
-#   `loss.item()` under `torch.no_grad()`.
+# ## Further reading
+# - [Understanding CUDA memory usage](https://docs.pytorch.org/docs/stable/torch_cuda_memory.html)
+# - [CUDA semantics: memory management](https://docs.pytorch.org/docs/stable/notes/cuda.html#memory-management)
+# - [torch.utils.checkpoint](https://docs.pytorch.org/docs/stable/checkpoint.html)
+# - [Autograd mechanics: hooks for saved tensors](https://docs.pytorch.org/docs/stable/notes/autograd.html#hooks-for-saved-tensors)
+# - [Chen et al. 2016, Training Deep Nets with Sublinear Memory Cost](https://arxiv.org/abs/1604.06174)
+# - [Dao et al. 2022, FlashAttention](https://arxiv.org/abs/2205.14135)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

@@ -6,6 +6,27 @@
 # dataset are its own. This notebook measures what that means for four claims: thread settings
 # that supposedly zeroed a GPU's gradients, the advice to raise `num_workers` and `prefetch_factor`,
 # duplicated random augmentations, and DataPipes that supposedly move batches to the GPU.
+#
+# **You will learn**
+# - what a DataLoader worker process is, and what it copies from your process
+# - why random augmentations repeat across workers, and the fix that works
+# - what `num_workers` and `prefetch_factor` change
+# - what DataPipes and `pin_memory` really do
+#
+# **Prerequisites:** [00 · Start here: how Gradient Lab works](00_start_here.ipynb). You should
+# know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); `Dataset` and `DataLoader`, NumPy's random generators.
+#
+# **Time:** about 25 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 20 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [worker](GLOSSARY.md#worker), [random generator state](GLOSSARY.md#random-generator-state).
+#
+# **GPU-only cells:** 2 cells (cases I2, I4) run only on a CUDA GPU; on a CPU they print at most one
+# line saying so. They are collapsed: click the bar at a collapsed cell's left to open it.
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -356,7 +377,7 @@ claims.check(
 # feeds a model on the GPU with no workers and with the most workers, while
 # `labkit.probes.UtilisationSampler` reads NVML.
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 if dev.type == "cuda":
     gpu_model = nn.Sequential(*[nn.Linear(64 if i == 0 else 4096, 4096) for i in range(6)]).to(dev)
@@ -385,11 +406,21 @@ else:
 # %%
 print(claims.case("I3").claim)
 
-
 # %% [markdown]
 # **Reproduce.** A digits dataset that adds random noise to each image, drawn from a NumPy
 # generator it owns (`self.rng`), a pattern many augmentation pipelines use. We load it for two
 # epochs with `num_workers` workers and compare the noise each sample received.
+
+# %% [markdown]
+# **Predict before you run.** With `bug=True` each worker starts with a copy of the dataset's random
+# generator. What share of samples (0 to 1) gets exactly the same noise as another sample in the
+# first epoch?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 
 # %%
 class NoisyDigits(Dataset):
@@ -449,6 +480,11 @@ reproduction = noise_per_epoch(NoisyDigits(noisy_images, seed=seed), None if bug
 print(f"bug={bug}: samples sharing their noise with another sample: {duplicated_share(reproduction):.0%}; "
       f"samples with the same noise as last epoch: {repeated_share(reproduction):.0%}")
 claims.metric("duplicated_share", duplicated_share(reproduction))
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, duplicated_share(reproduction), what='the share of samples whose noise is duplicated'))
 
 # %% [markdown]
 # **Measure.** Four loaders over the same images: the generator owned by the dataset, NumPy's
@@ -548,7 +584,7 @@ claims.check(
 # can overlap with compute when the batch sits in pinned (page-locked) host memory, which
 # `DataLoader(pin_memory=True)` provides, and the copy is `non_blocking=True`. On the GPU runner:
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 if dev.type == "cuda":
     pinned_loader = DataLoader(TensorDataset(split.x_train[:64]), batch_size=16, pin_memory=True)
@@ -558,6 +594,27 @@ if dev.type == "cuda":
     print(f"pinned: {host_batch.is_pinned()}; after .to(): {device_batch.device}")
 else:
     print("no CUDA device here: pinned memory needs an accelerator, so this runs on the GPU runner")
+
+# %% [markdown]
+# ## Summary
+# - A DataLoader worker is a separate process: thread settings made there stay there (I1), and the
+#   model's arithmetic never runs there. Altered worker threads gave bitwise-identical gradients;
+#   they cannot zero a gradient.
+# - `prefetch_factor` already defaults to 2 with workers. More workers help while producing items is
+#   the bottleneck; measure samples/s against `num_workers` before and after (I2).
+# - The installed torch seeds `random`, torch and NumPy's global state in every worker. A random generator
+#   the dataset owns is copied into every worker in the same state: augmentations repeat across
+#   workers and across epochs until a `worker_init_fn` reseeds it from `get_worker_info().seed` (I3).
+# - DataPipe `.collate()` batches; it does not move data to a device, and the installed torch has no
+#   `.prefetch`. Move batches in the loop, with `pin_memory=True` and `non_blocking=True` (I4).
+# - An `IterableDataset` runs in full in every worker unless its `__iter__` splits the work by
+#   `get_worker_info()` (exercise 14.2).
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
 
 
 # %% [markdown]
@@ -648,22 +705,26 @@ grading.check("14.2", worker_items)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# [15 · Distributed data parallel, measured on two CPU processes](15_distributed.ipynb): workers are
+# processes that share nothing by default; 15 makes processes agree on their gradients.
 
 # %% [markdown]
-# ## Summary
-# - A DataLoader worker is a separate process: thread settings made there stay there (I1), and the
-#   model's arithmetic never runs there. Altered worker threads gave bitwise-identical gradients;
-#   they cannot zero a gradient.
-# - `prefetch_factor` already defaults to 2 with workers. More workers help while producing items is
-#   the bottleneck; measure samples/s against `num_workers` before and after (I2).
-# - The installed torch seeds `random`, torch and NumPy's global state in every worker. A random generator
-#   the dataset owns is copied into every worker in the same state: augmentations repeat across
-#   workers and across epochs until a `worker_init_fn` reseeds it from `get_worker_info().seed` (I3).
-# - DataPipe `.collate()` batches; it does not move data to a device, and the installed torch has no
-#   `.prefetch`. Move batches in the loop, with `pin_memory=True` and `non_blocking=True` (I4).
-# - An `IterableDataset` runs in full in every worker unless its `__iter__` splits the work by
-#   `get_worker_info()` (exercise 14.2).
+# ## Further reading
+# - [torch.utils.data: multi-process data loading](https://docs.pytorch.org/docs/stable/data.html#multi-process-data-loading)
+# - [torch.utils.data.DataLoader](https://docs.pytorch.org/docs/stable/data.html#torch.utils.data.DataLoader)
+# - [Reproducibility: DataLoader](https://docs.pytorch.org/docs/stable/notes/randomness.html#dataloader)
+# - [torch.utils.data.get_worker_info](https://docs.pytorch.org/docs/stable/data.html#torch.utils.data.get_worker_info)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))

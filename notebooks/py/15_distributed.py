@@ -6,6 +6,32 @@
 # runs on any machine) and measures what DDP does to gradients, buffers and BatchNorm, what
 # `no_sync`, `find_unused_parameters` and `broadcast_buffers` really change, and where a loss that
 # differs between one process and several really comes from.
+#
+# **You will learn**
+# - what DDP does to gradients (an all-reduce average), buffers and BatchNorm, on real gloo
+#   processes
+# - what `no_sync`, `find_unused_parameters` and `broadcast_buffers` really change
+# - where a loss that differs between one process and several comes from
+# - what happens when a rank dies
+#
+# **Prerequisites:**
+# [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb),
+# [05 · BatchNorm during fine-tuning: what eval and train mode really do](05_batchnorm_finetuning.ipynb).
+# You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
+# (`loss.backward()`, `optimizer.step()`); processes and ranks by name.
+#
+# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# 14 s on 2 CPU cores.
+#
+# **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
+# [all-reduce](GLOSSARY.md#all-reduce), [rank and world size](GLOSSARY.md#rank-and-world-size),
+# [global batch](GLOSSARY.md#global-batch), [gloo](GLOSSARY.md#gloo),
+# [running statistics](GLOSSARY.md#running-statistics).
+#
+# **GPU-only cells:** 1 cell (case O2) runs only on a CUDA GPU; on a CPU it prints at most one line
+# saying so. It is collapsed: click the bar at a collapsed cell's left to open it.
+#
+# **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
 import sys
@@ -401,6 +427,16 @@ print(f"same {steps * global_batch} samples: test loss {one_gpu_run['test_loss']
 # the global batch makes exactly the ranks' steps. Second, BatchNorm: compare that single process
 # with the ranks step by step.
 
+# %% [markdown]
+# **Predict before you run.** Two ranks, each normalising its half of the batch with its own
+# BatchNorm, against one process on the whole global batch: how large will the largest training-loss
+# gap over the run be (0 means identical)?
+# Write your guess into `guess` below, then run the next cells; the line after the measurement
+# compares it with what was measured. (Left at `None`, it just prints the measurement.)
+
+# %%
+guess = None  # your prediction: replace None
+
 # %%
 same_batch_run = train_in_one_process(nn.BatchNorm1d, global_batch, steps, lr)
 loss_gap = max(abs(a - b) for a, b in zip(ranks_run["losses"], same_batch_run["losses"]))
@@ -408,6 +444,11 @@ print(f"one process, global batch {global_batch}: test loss {same_batch_run['tes
 print(f"largest training-loss gap between the ranks and that process, over {steps} steps: {loss_gap:.2e}")
 print(f"BatchNorm statistics per rank (bug={bug}): gap above 1e-9: {loss_gap > 1e-9}")
 claims.metric("loss_gap", float(f"{loss_gap:.3g}"))
+
+# %%
+from labkit.predict import compare_guess
+
+print(compare_guess(guess, float(f"{loss_gap:.3g}"), what='the largest training-loss gap'))
 
 # %% [markdown]
 # **The article's fix.** The same run with `find_unused_parameters=True` and
@@ -616,7 +657,7 @@ print(claims.case("O2").claim)
 # whether the two directions together reach 80% of the 600 GB/s. Anywhere else the verdict is
 # `needs-gpu`, with what would be measured.
 
-# %%
+# %% jupyter={"outputs_hidden": true, "source_hidden": true}
 # NBVAL_IGNORE_OUTPUT
 def topology():
     try:
@@ -736,6 +777,30 @@ except RankFailure as failure:
     print("rank 1:", failure.failures[1])
     print("ranks reported:", sorted(failure.failures))
 
+# %% [markdown]
+# ## Summary
+# - DDP's gradient is the mean of the ranks' gradients, the same on every rank, equal to one
+#   process's gradient on the global batch; a slow rank costs time, never values (O3, O1).
+# - BatchNorm under DDP normalises with each rank's own batch; buffers are copied from rank 0 at
+#   each forward pass unless `forward_sync_buffers=False` (the old `broadcast_buffers`). For
+#   global-batch statistics use `SyncBatchNorm` on GPUs (it refuses CPU tensors in the installed torch).
+# - A loss that differs between one GPU and several comes from the global batch (fewer, larger
+#   steps at the same learning rate) and from per-rank BatchNorm, not from backward timing.
+#   `find_unused_parameters=True` is for models with parameters the forward pass skips, and costs a
+#   graph walk per step; `broadcast_buffers=False` changes only non-zero ranks' buffers (O1).
+# - `no_sync` accumulates locally and skips the all-reduce; the global batch is per-rank batch ×
+#   ranks × accumulation steps.
+# - `ReduceOp.AVG` is one all-reduce, as is a sum followed by a division (O2b). Link bandwidth
+#   claims need several GPUs (O2).
+# - Every rank must make the same collectives in the same order (exercise 15.1), and a
+#   `DistributedSampler` needs `set_epoch(epoch)` to reshuffle (exercise 15.2).
+
+# %% [markdown]
+# ## Claims checked
+
+# %%
+claims.table()
+
 
 # %% [markdown]
 # ## Exercises
@@ -851,25 +916,29 @@ grading.check("15.2", rank_indices)
 grading.score()
 
 # %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
+# ## What comes next
+# This is the last notebook. To go back to a failure by its symptom, use the troubleshooting index
+# in the repository's README; to practise, run `make student` and redo the exercises of any notebook
+# in the student edition.
 
 # %% [markdown]
-# ## Summary
-# - DDP's gradient is the mean of the ranks' gradients, the same on every rank, equal to one
-#   process's gradient on the global batch; a slow rank costs time, never values (O3, O1).
-# - BatchNorm under DDP normalises with each rank's own batch; buffers are copied from rank 0 at
-#   each forward pass unless `forward_sync_buffers=False` (the old `broadcast_buffers`). For
-#   global-batch statistics use `SyncBatchNorm` on GPUs (it refuses CPU tensors in the installed torch).
-# - A loss that differs between one GPU and several comes from the global batch (fewer, larger
-#   steps at the same learning rate) and from per-rank BatchNorm, not from backward timing.
-#   `find_unused_parameters=True` is for models with parameters the forward pass skips, and costs a
-#   graph walk per step; `broadcast_buffers=False` changes only non-zero ranks' buffers (O1).
-# - `no_sync` accumulates locally and skips the all-reduce; the global batch is per-rank batch ×
-#   ranks × accumulation steps.
-# - `ReduceOp.AVG` is one all-reduce, as is a sum followed by a division (O2b). Link bandwidth
-#   claims need several GPUs (O2).
-# - Every rank must make the same collectives in the same order (exercise 15.1), and a
-#   `DistributedSampler` needs `set_epoch(epoch)` to reshuffle (exercise 15.2).
+# ## Further reading
+# - [torch.distributed](https://docs.pytorch.org/docs/stable/distributed.html)
+# - [Distributed data parallel (design note)](https://docs.pytorch.org/docs/stable/notes/ddp.html)
+# - [torch.nn.parallel.DistributedDataParallel](https://docs.pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html)
+# - [torch.nn.SyncBatchNorm](https://docs.pytorch.org/docs/stable/generated/torch.nn.SyncBatchNorm.html)
+# - [Li et al. 2020, PyTorch Distributed: Experiences on Accelerating Data Parallel Training](https://arxiv.org/abs/2006.15704)
+# - [Goyal et al. 2017, Accurate, Large Minibatch SGD](https://arxiv.org/abs/1706.02677)
+
+# %% [markdown]
+# ## About this run
+# The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
+# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
+# cell below says which machine, Python and torch produced this run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from labkit.probes import fingerprint, format_fingerprint
+
+print(format_fingerprint(fingerprint()))
