@@ -53,7 +53,7 @@ def _panel_text(axes) -> str:
     ylabel, xlabel = axes.get_ylabel(), axes.get_xlabel()
     if ylabel or xlabel:
         scale = " (log scale)" if axes.get_yscale() == "log" else ""
-        parts.append(f"{ylabel or 'value'}{scale} against {xlabel or 'index'}")
+        parts.append(f"{ylabel or 'value'}{scale}" + (f" against {xlabel}" if xlabel else ""))
     legend = axes.get_legend()
     if legend is not None:
         labels = [text.get_text() for text in legend.get_texts()]

@@ -68,3 +68,11 @@ def test_a_notebook_stores_each_figure_with_its_alt_text(make_notebook, tmp_path
     stored = json.loads((tmp_path / "out" / "00_fixture.ipynb").read_text())["cells"][-1]["outputs"][0]["data"]
     assert "".join(stored["text/plain"]) == "a rising line"
     assert 'alt="a rising line"' in "".join(stored["text/html"]) and "image/png" in stored
+
+
+def test_an_unlabelled_x_axis_is_not_named():
+    figure, axis = plt.subplots()
+    axis.bar(["a", "b"], [1, 2])
+    axis.set_ylabel("MiB")
+    assert figures.alt_text(figure) == "Figure with 1 panel: MiB."
+    plt.close(figure)
