@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import html
 import json
 import re
 import textwrap
@@ -121,7 +122,7 @@ def check(case_id: str, verdict: str, evidence: str, claim: str | None = None,
                      device_dependent=device_dependent)
     _session[:] = [v for v in _session if v.id != case_id] + [record]
     payload = {k: v for k, v in asdict(record).items() if k != "device_dependent"}
-    show_record(f"[{case_id}] {verdict}: {record.evidence}", CLAIM_MIME, payload)
+    show_record(_verdict_text(record), CLAIM_MIME, payload, html=_verdict_html(record))
 
 
 def metric(name: str, value: float | int | str | bool) -> None:
@@ -144,29 +145,99 @@ def reset() -> None:
 
 
 def table(verdicts: list[Verdict] | None = None, width: int = 100) -> None:
-    """Print the *Claims checked* table: ID, verdict, claim, evidence (every notebook ends with it)."""
-    print(format_table(verdicts, width))
+    """Show the *Claims checked* table, one line per case: ID, verdict, takeaway (every notebook ends
+    with it). In a notebook it is an HTML table whose rows open to the full claim and evidence; the
+    plain-text view (and a terminal) gets the same lines as text."""
+    rows = recorded() if verdicts is None else verdicts
+    _show_rich(format_table(rows, width), _table_html(rows))
 
 
 def format_table(verdicts: list[Verdict] | None = None, width: int = 100) -> str:
-    """The *Claims checked* table as text, for this session's verdicts or the ones given."""
+    """The *Claims checked* table as text, one line per case, for this session's verdicts or the ones given."""
     rows = recorded() if verdicts is None else verdicts
     if not rows:
         return "No claims checked yet."
     stable = [v for v in rows if not v.device_dependent]
-    text = "\n\n".join(_format_row(v, width) for v in stable)
+    lines = [_table_line(v, width) for v in stable]
+    note = _device_note(rows)
+    return "\n".join(lines + ([note] if note else []))
+
+
+# How each verdict reads at a glance, in the table and in a verdict cell.
+VERDICT_MARKS = {"holds": "✓", "does-not-hold": "✗", "partly": "◐", "needs-gpu": "…", "untestable": "?"}
+# A bare Python boolean in evidence ("allclose: True", "(False)") reads as a word; an argument
+# (`set_to_none=True`) or code in backticks keeps its spelling.
+_BARE_BOOLEAN = re.compile(r"(?<![=\w`])(True|False)(?![\w`=])")
+_TAKEAWAY_END = re.compile(r"[;:.](?=\s)|, but ")
+
+
+def readable(evidence: str) -> str:
+    """The evidence as a sentence: bare True/False become yes/no, a capital first letter, a final stop."""
+    text = _BARE_BOOLEAN.sub(lambda match: "yes" if match.group(1) == "True" else "no", evidence.strip())
+    text = text[:1].upper() + text[1:]
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
+def takeaway(v: Verdict, width: int = 80) -> str:
+    """The first clause of the evidence, cut to ``width`` characters at a word: the table's one line."""
+    sentence = readable(v.evidence)
+    end = _TAKEAWAY_END.search(sentence)
+    clause = sentence[:end.start()] if end else sentence.rstrip(".")
+    if len(clause) <= width:
+        return clause
+    return clause[:width - 1].rsplit(" ", 1)[0].rstrip(",;:(") + "…"
+
+
+def _verdict_text(v: Verdict, width: int = 100) -> str:
+    head = f"{VERDICT_MARKS[v.verdict]} {v.id} {v.verdict}: "
+    return textwrap.fill(head + readable(v.evidence), width=width, subsequent_indent="  ")
+
+
+def _verdict_html(v: Verdict) -> str:
+    return (f'<div class="labkit-verdict"><strong>{VERDICT_MARKS[v.verdict]} {html.escape(v.id)} '
+            f'{html.escape(v.verdict)}</strong>: {html.escape(readable(v.evidence))}</div>')
+
+
+def _table_line(v: Verdict, width: int) -> str:
+    head = f"{v.id:<5} {VERDICT_MARKS[v.verdict]} {v.verdict.upper():<13} "
+    return head + takeaway(v, max(20, width - len(head)))
+
+
+def _device_note(rows: list[Verdict]) -> str:
     varying = [v.id for v in rows if v.device_dependent]
-    if varying:
-        note = (f"Depends on the device (the verdict is in the case's own cell above, and in "
-                f"`python -m labkit claims`): {', '.join(varying)}")
-        text = f"{text}\n\n{note}" if text else note
-    return text
+    if not varying:
+        return ""
+    return (f"Depends on the device (the verdict is in the case's own cell above, and in "
+            f"`python -m labkit claims`): {', '.join(varying)}")
 
 
-def _format_row(v: Verdict, width: int) -> str:
-    head = f"{v.id:<5} {v.verdict.upper()}"
-    wrap = textwrap.TextWrapper(width=width, initial_indent="      ", subsequent_indent="      ")
-    return "\n".join([head, wrap.fill("claim: " + v.claim), wrap.fill("evidence: " + v.evidence)])
+def _show_rich(text: str, html_text: str) -> None:
+    """HTML in a notebook with ``text`` as its plain view; ``text`` printed anywhere else."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # labkit works without IPython installed
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+        return
+    display({"text/plain": text, "text/html": html_text}, raw=True)
+
+
+def _table_html(rows: list[Verdict]) -> str:
+    stable = [v for v in rows if not v.device_dependent]
+    if not stable:
+        return f"<p>{html.escape(_device_note(rows) or 'No claims checked yet.')}</p>"
+    cells = "".join(
+        f"<tr><td>{html.escape(v.id)}</td><td>{VERDICT_MARKS[v.verdict]}&nbsp;{html.escape(v.verdict)}</td>"
+        f"<td><details><summary>{html.escape(takeaway(v))}</summary>"
+        f"<p><em>{html.escape(v.claim)}</em></p><p>{html.escape(readable(v.evidence))}</p></details></td></tr>"
+        for v in stable)
+    note = _device_note(rows)
+    return ('<table class="labkit-claims"><thead><tr><th>case</th><th>verdict</th>'
+            '<th style="text-align:left">takeaway (open a row for the claim and all the evidence)</th>'
+            f"</tr></thead><tbody>{cells}</tbody></table>" + (f"<p>{html.escape(note)}</p>" if note else ""))
 
 
 def collect(paths: list[str | Path]) -> list[dict]:

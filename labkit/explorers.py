@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from labkit.errors import LabkitError
+from labkit.figures import alt_text, img_tag
 
 __all__ = ["choice", "explore", "slider"]
 
@@ -211,7 +212,7 @@ class Explorer:
             if figure is not None:
                 buffer = io.BytesIO()
                 figure.savefig(buffer, format="png", bbox_inches="tight")
-                png, figure_text = buffer.getvalue(), repr(figure)
+                png, figure_text = buffer.getvalue(), alt_text(figure)
         finally:
             # A figure left open would be drawn again by the inline backend after the next cell runs.
             for number in set(plt.get_fignums()) - open_before:
@@ -285,7 +286,9 @@ def _text_bundle(rendering: Rendering, default: bool) -> dict:
 
 
 def _figure_bundle(rendering: Rendering) -> dict:
-    return {"image/png": base64.b64encode(rendering.png).decode("ascii"), "text/plain": rendering.figure_text}
+    """The PNG, and an ``<img>`` of it with the figure's alt text (the view JupyterLab and nbconvert pick)."""
+    return {"image/png": base64.b64encode(rendering.png).decode("ascii"), "text/plain": rendering.figure_text,
+            "text/html": img_tag(rendering.png, rendering.figure_text)}
 
 
 def _check_view_accepts(view: Callable, controls: Mapping) -> None:

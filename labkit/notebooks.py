@@ -91,8 +91,9 @@ def read_notebook_json(path: str | Path) -> dict:
 
 # ---- records stored in outputs ---------------------------------------------------------------
 
-def show_record(text: str, mime: str, payload: dict) -> None:
-    """Display ``payload`` under ``mime`` with ``text`` as its plain-text view; print ``text`` outside IPython.
+def show_record(text: str, mime: str, payload: dict, html: str | None = None) -> None:
+    """Display ``payload`` under ``mime`` with ``text`` as its plain-text view (and ``html``, when
+    given, as the view a notebook renders); print ``text`` outside IPython.
 
     The stored output is what `stored_records` reads back later.
     """
@@ -105,7 +106,10 @@ def show_record(text: str, mime: str, payload: dict) -> None:
     if get_ipython() is None:
         print(text)
         return
-    display({"text/plain": text, mime: payload}, raw=True)
+    bundle = {"text/plain": text, mime: payload}
+    if html is not None:
+        bundle["text/html"] = html
+    display(bundle, raw=True)
 
 
 def stored_records(notebook: str | Path, mime: str, fields: dict[str, type] | None = None) -> list[dict]:

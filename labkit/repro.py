@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from labkit import figures
 from labkit.devices import resolve_device
 from labkit.errors import LabkitError
 from labkit.parameters import check_parameters
@@ -41,7 +42,8 @@ def setup(seed: int = 0, device: str = "auto", deterministic: bool = True) -> to
     """Seed everything, choose the device and ask torch for deterministic kernels.
 
     ``device`` is "auto", "cpu", "cuda", "cuda:N" or "mps" (see `labkit.devices.resolve_device`).
-    Returns the `torch.device` the notebook should use. Deterministic mode lets an op with no
+    Returns the `torch.device` the notebook should use. In IPython it also makes every matplotlib
+    figure show with its alt text (`labkit.figures`). Deterministic mode lets an op with no
     deterministic kernel (CUDA only) run anyway, without a warning, so a notebook's stored outputs
     stay the same on CPU and GPU.
     """
@@ -57,6 +59,7 @@ def setup(seed: int = 0, device: str = "auto", deterministic: bool = True) -> to
     # Inductor advises TF32 when it compiles a float32 matmul on an Ampere-or-newer GPU; the
     # notebooks keep IEEE float32 on purpose (TF32 would change the numbers they compare).
     warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix multiplication")
+    figures.install()
     return dev
 
 

@@ -46,7 +46,7 @@ def test_bad_verdicts_are_rejected(verdict, evidence, message):
 
 def test_needs_gpu_takes_a_reason_without_numbers(capsys):
     claims.check("A2", verdict="needs-gpu", evidence="times CUDA kernels; this machine has no CUDA device")
-    assert "[A2] needs-gpu" in capsys.readouterr().out
+    assert "A2 needs-gpu: Times CUDA kernels; this machine has no CUDA device." in capsys.readouterr().out
 
 
 def test_rechecking_an_id_replaces_its_verdict_and_table_lists_it(capsys):
@@ -57,6 +57,26 @@ def test_rechecking_an_id_replaces_its_verdict_and_table_lists_it(capsys):
     text = capsys.readouterr().out
     assert "Z1" in text and "HOLDS" in text and "4 of 4 cases" in text
     assert claims.format_table([]) == "No claims checked yet."
+
+
+@pytest.mark.parametrize("evidence, sentence", [
+    ("allclose True, deferred: False", "Allclose yes, deferred: no."),
+    ("with set_to_none=True the step moved (True)", "With set_to_none=True the step moved (yes)."),
+    ("`x.requires_grad` is `False`. It stays", "`x.requires_grad` is `False`. It stays."),
+    ("TrueNorm of 3", "TrueNorm of 3."),
+])
+def test_evidence_reads_as_a_sentence(evidence, sentence):
+    assert claims.readable(evidence) == sentence
+
+
+def test_the_table_is_one_line_per_case_however_long_the_evidence():
+    long = "the step moved 3 of 4 weights " + "and then a great deal more happened " * 10
+    claims.check("Z1", verdict="holds", evidence=long)
+    claims.check("B1", verdict="does-not-hold", evidence="0 of 4 steps carried a gradient; the rest is detail")
+    lines = claims.format_table(width=100).splitlines()
+    assert len(lines) == 2 and all(len(line) <= 100 for line in lines)
+    assert lines[0].startswith("Z1") and lines[0].endswith("…")
+    assert lines[1] == "B1    ✗ DOES-NOT-HOLD 0 of 4 steps carried a gradient"
 
 
 def test_metric_names_must_be_identifiers():
@@ -75,6 +95,8 @@ def executed(make_notebook, tmp_path, cell=CLAIM_CELL):
 
 def test_verdicts_are_read_back_from_stored_outputs_without_execution(make_notebook, tmp_path):
     notebook, result = executed(make_notebook, tmp_path)
+    stored = json.loads(notebook.read_text())["cells"][-1]["outputs"][0]["data"]
+    assert "Max |diff| = 0.0 over 8 values." in "".join(stored["text/html"]) and "holds" in "".join(stored["text/plain"])
     records = claims.collect([notebook])
     assert [(r["id"], r["verdict"], r["notebook"]) for r in records] == [("Z1", "holds", "01_fixture")]
     assert result.metrics == {"grad_norm": 1.5}

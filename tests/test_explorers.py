@@ -63,7 +63,8 @@ def test_show_publishes_controls_then_the_default_view(shell):
                                            "steps of 1 (run this cell in JupyterLab to move them)")
     assert text.data == {"text/plain": "slope=0.5 · points=3 (the defaults; move the controls above to redraw)\n"
                                        "last value 1.00"}
-    assert figure.data["text/plain"] == "<Figure size 640x480 with 1 Axes>"
+    assert figure.data["text/plain"] == "Figure with 1 panel."
+    assert figure.data["text/html"].endswith('alt="Figure with 1 panel." title="Figure with 1 panel."/>')
     assert figure.data["image/png"].startswith("iVBOR")  # base64 of the PNG signature
     assert text.transient["display_id"] != figure.transient["display_id"]
     assert not any(o.update for o in captured.outputs)

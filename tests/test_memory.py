@@ -2,6 +2,10 @@
 measurements that say why when they cannot measure."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -575,3 +579,36 @@ def test_report_plot_shows_once_as_an_image_in_a_fresh_kernel(tmp_path):
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     images = [output for output in notebook.cells[0].outputs if "image/png" in output.get("data", {})]
     assert len(images) == 1, [output.get("data", output).keys() for output in notebook.cells[0].outputs]
+
+
+def test_a_cpu_measurement_stores_no_profiler_notice_but_keeps_other_stderr():
+    # Kineto prints "USDT:... profiler_start" on fd 2, below Python: only a child process sees it.
+    script = ("import os, torch\n"
+              "from labkit.memory import peak_bytes_during\n"
+              "peak_bytes_during(lambda: (os.write(2, b'kept line\\n'), torch.ones(256) * 2))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "USDT:" not in result.stderr
+    assert "kept line" in result.stderr
+
+
+def test_the_timeline_rises_in_forward_and_falls_in_backward_to_what_is_kept():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)), torch.randn(32, 64)
+    held = []
+    timeline = memory.live_bytes_timeline({"forward": lambda: held.append(model(x).square().sum()),
+                                           "backward": lambda: held.pop().backward()})
+    assert {name for name, _ in timeline} == {"forward", "backward"}
+    forward_end = max(alive for name, alive in timeline if name == "forward")
+    saved = 32 * 128 * 4 * 2  # the first Linear's output (ReLU input) and the ReLU output, float32
+    assert forward_end >= saved
+    # After backward only the gradients remain: one per parameter, exactly their size.
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert timeline[-1] == ("backward", gradient_bytes)
+
+
+@pytest.mark.parametrize("phases, problem", [({}, "dict of phase name"), ({"forward": 3}, "not functions")])
+def test_the_timeline_rejects_bad_phases(phases, problem):
+    with pytest.raises(LabkitError, match=problem):
+        memory.live_bytes_timeline(phases)

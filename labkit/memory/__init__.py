@@ -11,9 +11,9 @@ Taught in ``13_memory`` (``02_gradients_accumulate`` uses :func:`saved_bytes` an
 * :func:`estimate_step_peak` (``estimate``, with ``workspace``): the steady-state peak of a whole
   training step, run on fake tensors (nothing of the step is allocated), plus the private
   workspace of convolution and recurrent kernels, measured one kernel call at a time.
-* :func:`measure_step_peak`, :func:`peak_bytes_during`, :func:`live_bytes_after_forward`
-  (``measure``): what the allocator really did. Every number is a :class:`~labkit.readings.Reading`;
-  on a machine without CUDA a CUDA peak is "unavailable, because ...", never the 0 that
+* :func:`measure_step_peak`, :func:`peak_bytes_during`, :func:`live_bytes_after_forward`,
+  :func:`live_bytes_timeline` (``measure``): what the allocator really did, as peaks (each a
+  :class:`~labkit.readings.Reading`) and as bytes alive over a step; on a machine without CUDA a CUDA peak is "unavailable, because ...", never the 0 that
   ``torch.cuda.max_memory_allocated`` returns there.
 
 Each returns or prints a :class:`MemoryReport` (``report``).
@@ -31,7 +31,7 @@ from labkit.memory.formulas import (
     onednn_lstm_workspace_bytes,
     training_state,
 )
-from labkit.memory.measure import live_bytes_after_forward, measure_step_peak, peak_bytes_during
+from labkit.memory.measure import live_bytes_after_forward, live_bytes_timeline, measure_step_peak, peak_bytes_during
 from labkit.memory.report import MemoryReport, plot_reports
 from labkit.memory.saved import SavedTensors, saved_bytes, saved_tensors
 from labkit.memory.workspace import KERNEL_WORKSPACE
@@ -50,6 +50,7 @@ __all__ = [
     "analytic_memory",
     "estimate_step_peak",
     "live_bytes_after_forward",
+    "live_bytes_timeline",
     "measure_step_peak",
     "onednn_lstm_workspace_bytes",
     "peak_bytes_during",

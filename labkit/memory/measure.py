@@ -3,7 +3,11 @@ on CUDA via torch.cuda statistics; unavailable, with the reason, where nothing c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -29,16 +33,43 @@ from labkit.memory._common import (
 from labkit.memory.report import MemoryReport
 from labkit.readings import Reading
 
-__all__ = ["live_bytes_after_forward", "measure_step_peak", "peak_bytes_during"]
+__all__ = ["live_bytes_after_forward", "live_bytes_timeline", "measure_step_peak", "peak_bytes_during"]
 
 
 def _profiled_events(fn: Callable[[], object]) -> list:
     """The profiler's event tree (its roots) for one run of fn, with CPU allocator events."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _gc_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    with _gc_paused(), _profiler_notices_dropped():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
     return profiler_event_tree(prof)
+
+
+# Kineto writes a timestamped "USDT:... profiler_start" / "profiler_stop" line to the process's
+# stderr (file descriptor 2, below Python) each time a profiler starts and stops. It says nothing
+# about the measurement and would be stored in every notebook output that measures memory.
+PROFILER_NOTICE = "USDT:"
+
+
+@contextlib.contextmanager
+def _profiler_notices_dropped() -> Iterator[None]:
+    """Run the block with fd 2 captured; pass every captured line on except the profiler's notices."""
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(PROFILER_NOTICE)]
+            if kept:
+                sys.stderr.write("".join(kept))
 
 
 def _allocations_under(roots: list) -> list[tuple[int, int]]:
@@ -132,6 +163,33 @@ def live_bytes_after_forward(model: nn.Module, *inputs) -> Reading:
             else:
                 live.pop(ptr, None)
     return Reading(sum(live.values()), "B", "measured", source="torch.profiler allocation events")
+
+
+def live_bytes_timeline(phases: Mapping[str, Callable[[], object]]) -> list[tuple[str, int]]:
+    """Bytes alive on the CPU allocator after every allocation and every free while ``phases`` run.
+
+    ``phases`` maps a name to a function, e.g. ``{"forward": ..., "backward": ..., "optimizer
+    step": ...}``; they run in that order, each under the profiler, and the result is one
+    ``(phase name, bytes alive)`` pair per allocator event, counted from the level before the first
+    phase (a phase that frees what an earlier one allocated goes below it). CPU tensors only: a
+    step's memory over time, forward rising, backward falling, the peak where they meet. Taught in
+    ``13_memory``.
+    """
+    if not isinstance(phases, Mapping) or not phases:
+        raise LabkitError("live_bytes_timeline() takes a dict of phase name -> function, e.g. "
+                          "{'forward': run_forward, 'backward': run_backward}")
+    not_callable = [name for name, fn in phases.items() if not callable(fn)]
+    if not_callable:
+        raise LabkitError(f"phases {not_callable} are not functions: pass a function (a lambda) for each phase")
+    if profiler_enabled():
+        raise LabkitError("a torch profiler is already running, and CPU allocations are read with one: "
+                          "call live_bytes_timeline outside the profiler's `with` block")
+    timeline, alive = [], 0
+    for name, fn in phases.items():
+        for _, delta in _allocation_events(fn):
+            alive += delta
+            timeline.append((name, alive))
+    return timeline
 
 
 def _cuda_live_after(fn, device) -> Reading:

@@ -82,6 +82,8 @@ def plot_grad_histograms(
             "no gradient histogram recorded: histograms come from full-statistics steps, "
             "use GradTracer(model, full_every=N) with N >= 1"
         )
+    from matplotlib.ticker import MaxNLocator
+
     chosen = records[-1]["step"] if step is None else step
     rows = [r for r in records if r["step"] == chosen]
     if not rows:
@@ -96,6 +98,10 @@ def plot_grad_histograms(
         ax.stairs(counts, edges, fill=True)
         ax.set_yscale("log")
         ax.set_title(record["param"], fontsize="small")
+        # Gradient values are tiny and span a narrow range: plain tick labels run into each other
+        # ("-0.0001000005"); three ticks with a shared power of ten read cleanly.
+        ax.xaxis.set_major_locator(MaxNLocator(3))
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0), useOffset=False)
     for ax in list(axes.flat)[len(rows):]:
         ax.set_visible(False)
     fig.suptitle(f"gradient values, step {chosen}")

@@ -566,35 +566,49 @@ print(f"pack={not bug}: largest |h_n - per-sequence h_n| = {state_diff:.3g}")
 print(f"pack=True: h_n matches per-sequence h_n: {torch.allclose(fixed, one_by_one, rtol=1e-9, atol=1e-12)}")
 claims.metric("lstm_state_max_diff", round(state_diff, 6))
 
-
 # %% [markdown]
 # **Explore: how much padding can an unpacked LSTM take?** The three sequences of the reproduction
-# (lengths 6, 4 and 2), with extra zero steps after the padding. Solid lines are each sequence's
-# final hidden state run alone; dashed lines are its `h_n` read from the padded batch. Move the
-# extra padding with `pack=False`, then switch packing on. The controls appear when you run the cell
-# in JupyterLab; the stored output is the default view.
+# (lengths 6, 4 and 2), with extra zero steps after the padding. Left: how far each sequence's `h_n`
+# read from the padded batch is from its `h_n` run alone, for 0 to 20 extra steps (the dot marks the
+# slider's value). Right: how far apart the three `h_n` are, against how far apart they are run
+# alone. Move the extra padding with `pack=False`, then switch packing on. The controls appear when
+# you run the cell in JupyterLab; the stored output is the default view.
 
 # %%
-def padding_view(extra_padding, pack):
-    """h_n from the padded batch against h_n of each sequence alone; on the CPU, so the numbers match on every machine."""
-    lstm = make_lstm(False).cpu()
-    alone = [s.cpu() for s in sequences]
+MAX_EXTRA_PADDING = 20
+
+
+def padded_states(lstm, alone, extra_padding, pack):
+    """h_n of every sequence read from one zero-padded batch, `extra_padding` steps longer than needed."""
     width = max(len(s) for s in alone) + extra_padding
     batch_padded = torch.stack([F.pad(s, (0, 0, 0, width - len(s))) for s in alone])
+    return final_hidden(lstm, batch_padded, torch.tensor([len(s) for s in alone]), pack)
+
+
+def padding_view(extra_padding, pack):
+    """Error and spread of h_n against extra padding; on the CPU, so the numbers match on every machine."""
+    lstm = make_lstm(False).cpu()
+    alone = [s.cpu() for s in sequences]
+    paddings = range(MAX_EXTRA_PADDING + 1)
     with torch.no_grad():
         truth = torch.stack([lstm(s[None])[1][0][-1, 0] for s in alone])
-        batched = final_hidden(lstm, batch_padded, torch.tensor([len(s) for s in alone]), pack)
-    figure, axis = plt.subplots(figsize=(7, 3.5))
-    units = range(1, truth.shape[1] + 1)
+        states = [padded_states(lstm, alone, extra, pack) for extra in paddings]
+    errors = torch.stack([(batched - truth).abs().max(dim=1).values for batched in states])  # (padding, sequence)
+    spreads = [torch.cdist(batched, batched).max().item() for batched in states]
+    figure, (error_axis, spread_axis) = plt.subplots(1, 2, figsize=(10, 3.4), layout="constrained")
     for i, s in enumerate(alone):
-        color = f"C{i}"
-        axis.plot(units, truth[i], color=color, marker="o", label=f"length {len(s)} alone")
-        axis.plot(units, batched[i], color=color, marker="x", linestyle="--", label=f"length {len(s)} in the batch")
-    axis.set(xlabel="hidden unit", ylabel="final hidden state h_n", xticks=list(units),
-             title=f"{extra_padding} extra padding steps, pack={pack}")
-    axis.legend(fontsize="small", ncol=3)
-    print(f"largest |h_n - h_n alone|: {(batched - truth).abs().max().item():.3f}")
-    print(f"largest distance between the three h_n: {torch.cdist(batched, batched).max().item():.3f} "
+        error_axis.plot(paddings, errors[:, i], color=f"C{i}", label=f"length {len(s)}")
+        error_axis.plot([extra_padding], [errors[extra_padding, i]], "o", color=f"C{i}")
+    error_axis.set(xlabel="extra padding steps", ylabel="largest |h_n - h_n alone|", title=f"error of h_n, pack={pack}")
+    error_axis.legend(fontsize="small")
+    spread_axis.plot(paddings, spreads, color="k", label="read from the padded batch")
+    spread_axis.axhline(torch.cdist(truth, truth).max().item(), color="k", linestyle=":", label="each run alone")
+    spread_axis.plot([extra_padding], [spreads[extra_padding]], "ko")
+    spread_axis.set(xlabel="extra padding steps", ylabel="largest distance between the three h_n",
+                    title=f"can a classifier still tell them apart? pack={pack}", ylim=(0, None))
+    spread_axis.legend(fontsize="small")
+    print(f"largest |h_n - h_n alone| at {extra_padding} extra steps: {errors[extra_padding].max().item():.3f}")
+    print(f"largest distance between the three h_n: {spreads[extra_padding]:.3f} "
           f"(run alone: {torch.cdist(truth, truth).max().item():.3f})")
     return figure
 

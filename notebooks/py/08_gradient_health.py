@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import (GradTracer, claims, compare_grads, datasets, grading, plot_grad_flow, plot_grad_histograms,
-                    plot_grad_stat, repro)
+from labkit import (GradTracer, claims, compare_grads, datasets, figures, grading, plot_grad_flow,
+                    plot_grad_histograms, plot_grad_stat, repro)
 from labkit.probes import fingerprint, format_fingerprint, measure_time
 from labkit.progress import track
 
@@ -185,16 +185,79 @@ for row in patient.activation_history():
         print(f"{row['module']:<9} {row['kind']:<8} {measure}")
 
 # %% [markdown]
+# **The picture behind those percentages: per-layer activation histograms** (the diagnostic of
+# Karpathy's *makemore* lectures), at initialisation, patient against twin. A healthy tanh or
+# sigmoid layer spreads its outputs over the middle of its range; a saturated one piles them up at
+# the ends, where the derivative, and so the gradient passed down, is almost zero. A ReLU layer
+# whose bar at 0 holds nearly everything is mostly dead. (ReLU outputs above 1 are counted in the
+# last bin.)
+
+# %%
+ACTIVATIONS = (nn.Tanh, nn.Sigmoid, nn.ReLU)
+
+
+def activation_outputs(healthy):
+    """Each activation module's outputs on the first 512 digits, for a freshly initialised model."""
+    torch.manual_seed(seed)
+    model, outputs = on_device(Patient(healthy)), {}
+    hooks = [module.register_forward_hook(lambda m, i, out, name=name: outputs.__setitem__(name, out.detach()))
+             for name, module in model.named_modules() if isinstance(module, ACTIVATIONS)]
+    with torch.no_grad():
+        model(x_train[:512])
+    for hook in hooks:
+        hook.remove()
+    return model, outputs
+
+
+def stuck_share(module, out):
+    """Tanh/sigmoid: the share whose derivative is under 2 % of its peak; ReLU: the share at exactly 0."""
+    if isinstance(module, nn.ReLU):
+        return (out == 0).double().mean().item()
+    derivative, peak = (1 - out**2, 1.0) if isinstance(module, nn.Tanh) else (out * (1 - out), 0.25)
+    return (derivative < 0.02 * peak).double().mean().item()
+
+
+figure, panels = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True, layout="constrained")
+bins = np.linspace(-1, 1, 41)
+stuck_at_init = {}
+for axis, healthy in zip(panels, (False, True)):
+    model, outputs = activation_outputs(healthy)
+    modules = dict(model.named_modules())
+    for name, out in outputs.items():
+        share = stuck_share(modules[name], out)
+        stuck_at_init[("twin" if healthy else "patient", name)] = share
+        word = "at 0" if isinstance(modules[name], nn.ReLU) else "saturated"
+        counts, _ = np.histogram(out.clamp(-1, 1).cpu().numpy().ravel(), bins=bins)
+        axis.stairs(counts / counts.sum(), bins, label=f"{name} ({type(modules[name]).__name__}): {share:.0%} {word}")
+    axis.set(title="healthy twin" if healthy else "patient (faults planted)", xlabel="activation value")
+    axis.legend(fontsize=7)
+panels[0].set_ylabel("share of outputs per bin")
+figures.describe(figure, "Activation histograms per layer at initialisation. Patient: the stem tanh piles up at -1 "
+                         f"and +1 ({stuck_at_init[('patient', 'stem_act')]:.0%} saturated) and the gate ReLU is "
+                         f"{stuck_at_init[('patient', 'gate_act')]:.0%} zeros; twin: tanh spread over the middle "
+                         f"({stuck_at_init[('twin', 'stem_act')]:.0%} saturated).")
+plt.show()
+for (model_name, layer), share in stuck_at_init.items():
+    print(f"{model_name:<8} {layer:<9} stuck (saturated, or ReLU at 0): {share:.0%}")
+
+# %% [markdown]
 # **Update:data ratio.** A common rule of thumb says a training step should move a weight matrix by
 # about 1e-3 of its size. Here the layers below the sigmoid stack barely move at all:
 
 # %%
+GUIDE_RATIO = 1e-3  # the rule of thumb: a step moves a weight matrix by about a thousandth of its size
 figure = plot_grad_stat(patient, "update_ratio", params=["stem.weight", "deep.4.weight", "gate.weight", "head.weight"])
-figure.axes[0].set_title("update:data ratio per step (log scale)")
-plt.show()
+axis = figure.axes[0]
+axis.axhline(GUIDE_RATIO, color="black", linestyle="--", linewidth=1, label="1e-3 rule of thumb")
+axis.set_title("update:data ratio per step (log scale)")
+axis.legend(fontsize="small", ncols=2)
 first_layer_ratio = statistics.median(r["update_ratio"] for r in patient.history() if r["param"] == "stem.weight")
 head_ratio = statistics.median(r["update_ratio"] for r in patient.history() if r["param"] == "head.weight")
-print(f"median update:data ratio: stem.weight {first_layer_ratio:.1e}, head.weight {head_ratio:.1e}")
+figures.describe(figure, f"Update:data ratio per step on a log scale against a dashed 1e-3 guide line: head.weight "
+                         f"near {head_ratio:.0e}, stem.weight far below it at {first_layer_ratio:.0e}.")
+plt.show()
+print(f"median update:data ratio: stem.weight {first_layer_ratio:.1e} "
+      f"({first_layer_ratio / GUIDE_RATIO:.0e}x the guide), head.weight {head_ratio:.1e}")
 
 # %% [markdown]
 # **Histograms** (recorded on full-statistics steps) show the shape of each gradient: a spike at
@@ -504,6 +567,17 @@ ratios = [r["update_ratio"] for r in run_tracer.history() if r["param"] == "0.we
 at_alarm = ratios[loss_step] if loss_step is not None else ratios[-1]
 print(f"first layer update:data ratio: step 0 {ratios[0]:.1e}, at the loss alarm {at_alarm:.1e}")
 
+
+# %% [markdown]
+# **Why the tracer's `exploding` alert comes after the loss alarm here.** `exploding` compares
+# each gradient norm with 10x the median of the same parameter's last 20 norms: it is built for a
+# *jump* (a bad batch, a NaN on the way). A warm-up without a cap makes the norms *climb* by under
+# 1 % a step, so the baseline climbs with them and a 10x gap opens only once training is already
+# breaking down; that is why the alert printed above comes after the loss alarm. What grows from
+# the first step is the update:data ratio in the plot above, because the learning rate itself
+# grows: in a warm-up, watch the schedule and the ratio it produces, not only the size of the
+# gradient. A fixed ratio threshold is no early alarm by itself, though: the capped twin's ratio
+# rises just as far until its cap, so a threshold must sit above where the cap holds the twin.
 
 # %% [markdown]
 # **What the monitor misses.** Three gradient failures that a loss curve hides at first, fed to the

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import claims, compare_grads, datasets, grading, repro
+from labkit import claims, compare_grads, datasets, figures, grading, repro
 from labkit.probes import fingerprint, format_fingerprint
 from labkit.progress import track
 
@@ -231,15 +231,47 @@ axis.legend()
 plt.show()
 print("norm ratio > 1 at every depth, both designs:", all(row["norm_ratio"] > 1 for row in at_init.values()))
 
+# %% [markdown]
+# **Where along the depth does it grow?** The gradient norm at every block's input of the deepest
+# networks, block 0 (the stem's output) to the top, averaged over the seeds:
+
+# %%
+deepest = max(depths)
+norm_by_block = {design: [statistics.mean(values) for values in zip(*(
+    [g.norm().item() for g in block_input_grads(build(design, deepest, s))] for s in range(seeds)))]
+    for design in DESIGNS}
+figure, axis = plt.subplots(figsize=(6.5, 3.5), layout="constrained")
+for design, norms in norm_by_block.items():
+    axis.plot(range(len(norms)), norms, marker=".", label=design)
+axis.set(yscale="log", xlabel=f"block input (0 = first block, {deepest} = top output)",
+         ylabel="||dL/dx|| (log scale)", title=f"gradient norm along depth, {deepest} blocks, at initialisation")
+axis.legend()
+per_block = {design: (norms[0] / norms[-1]) ** (1 / deepest) for design, norms in norm_by_block.items()}
+figures.describe(figure, f"Gradient norm per block input on a log scale, {deepest} blocks: both designs rise toward "
+                         f"the first block, most steeply over the first few blocks, post-activation by {per_block['post-activation']:.2f}x "
+                         f"per block, pre-activation by {per_block['pre-activation']:.2f}x.")
+plt.show()
+for design, norms in norm_by_block.items():
+    print(f"{design}: first block {norms[0] / norms[-1]:.0f}x the top's gradient norm, "
+          f"{per_block[design]:.3f}x per block on average")
+
 
 # %% [markdown]
 # The ReLU after the addition zeroes well under half of the entries per block (the cut share
 # column): its input is `x + branch(x)`, and `x`, the previous block's ReLU output, is never
 # negative. The zeroed entries are refilled by the next block's branch, whose weight matrix mixes
 # every entry into every other, so the gradient reaching the first block has no zero entries in
-# either design. Nor is it weaker: a block's backward pass adds the branch's contribution to what
-# the skip carries (`dL/dx = g + J_branch^T g` in a pre-activation block), and here the sum grows
-# toward the input.
+# either design. Nor is it weaker, but the opposite failure is there: a block's backward pass adds
+# the branch's contribution to what the skip carries (`dL/dx = g + J_branch^T g` in a pre-activation
+# block), and here the sum grows toward the input: a first-block gradient about a hundred
+# (pre-activation) to three hundred (post-activation) times the top's at 32 blocks. The norm along
+# depth (the figure above) shows where: gently through the upper blocks, then steeply over the
+# first few, the largest step at the first block itself. That is not harmless: with one learning
+# rate the first blocks' activation gradients are two orders of magnitude above the last ones', a
+# mild gradient explosion near the input that BatchNorm, which bounds the forward values, does not
+# stop. It is one reason deep ResNets zero-initialise each branch's last layer (next cell): then
+# every block starts as its skip alone, and the ratio is exactly 1. The survival rate of the
+# article cannot see any of this; the norm along depth does.
 #
 # **The identity path, isolated.** Set every branch's last layer to zero (the common "zero-init"
 # of the final BatchNorm γ in v1, or of the last Linear in v2), so each block starts as its skip

@@ -274,19 +274,30 @@ for batch in noise_batches:
 print(f"fitted slope of log noise against log batch size: {slope:.2f} (theory: -1)")
 
 # %%
-figure, ax = plt.subplots(figsize=(5.5, 3.8), layout="constrained")
-ax.loglog(noise_batches, list(gradient_noise.values()), "o-", label="measured E||g_B - g||²")
-reference = gradient_noise[noise_batches[0]] * noise_batches[0]
-ax.loglog(noise_batches, [reference / b for b in noise_batches], "--", color="0.5", label="∝ 1/B")
-ax.set(xlabel="batch size B", ylabel="gradient noise", title=f"gradient noise on digits, slope {slope:.2f}")
-ax.legend()
+figure, ax = plt.subplots(figsize=(6, 3.8), layout="constrained")
+variance = list(gradient_noise.values())
+rms = [math.sqrt(v) for v in variance]
+ax.loglog(noise_batches, variance, "o-", label="variance: E||g_B - g||²")
+ax.loglog(noise_batches, rms, "s-", label="its square root: RMS ||g_B - g||")
+first = noise_batches[0]
+ax.loglog(noise_batches, [variance[0] * first / b for b in noise_batches], "--", color="0.5", label="∝ 1/B")
+ax.loglog(noise_batches, [rms[0] * math.sqrt(first / b) for b in noise_batches], ":", color="0.3", label="∝ 1/√B")
+ax.set(xlabel="batch size B", ylabel="gradient noise (log scale)",
+       title=f"gradient noise on digits: variance slope {slope:.2f}, RMS slope {slope / 2:.2f}")
+ax.legend(fontsize="small")
 plt.show()
+print(f"slopes on log-log axes: variance {slope:.2f} (1/B), RMS {slope / 2:.2f} (1/√B)")
 
 # %% [markdown]
-# The points fall on the `1/B` line, bending slightly below it at the largest batches: they are
+# Two quantities, two rates, and both are "gradient noise": the **variance** `E||g_B - g||²`, a mean
+# *squared* distance, falls as `1/B`; its square root, the **RMS distance** (the standard deviation
+# of the batch gradient, in the units of the gradient), falls as `1/√B`. Quadruple the batch and the
+# variance falls to a quarter, the RMS distance to a half. In this notebook "noise ∝ 1/B" always
+# means the variance, and "1/√B" a standard deviation: the loss std and the explorer's RMS error.
+# The points fall on their lines, bending slightly below them at the largest batches: they are
 # drawn without replacement from 1,348 rows, and a batch of all rows would have no noise at all
-# (exercise 12.2 computes that exactly). Each doubling of the batch halves the gradient noise, and
-# in expectation divides the loss's standard deviation by √2 (each std above comes from
+# (exercise 12.2 computes that exactly). Each doubling of the batch halves the variance, and in
+# expectation divides the loss's standard deviation by √2 (each std above comes from
 # `noise_draws` draws, so it carries a few per cent of sampling error). The claimed rise from
 # 0.12 to 0.21 runs against both.
 
@@ -366,9 +377,10 @@ print(f"loss std at batch 64 / at batch 16: {loss_std[64] / loss_std[16]:.2f} (1
 
 # %% [markdown]
 # ## Explore: gradient noise against batch size
-# 200 seeded batches per setting, each batch's gradient compared with the full-data gradient. The noise falls as
-# 1/sqrt(batch) (a bit faster near the whole data set, since batches are drawn without replacement): four times the
-# batch for half the noise. The controls appear when you run the cell in JupyterLab; the stored output is the default view.
+# 200 seeded batches per setting, each batch's gradient compared with the full-data gradient. The explorer shows a
+# distance, not a squared one: the RMS error, a standard deviation, which falls as 1/√B (a bit faster near the whole
+# data set, since batches are drawn without replacement): four times the batch for half the error, while the variance
+# plotted above as E||g_B - g||² falls to a quarter. The controls appear when you run the cell in JupyterLab; the stored output is the default view.
 
 # %%
 def gradient_noise_view(batch):
