@@ -745,7 +745,6 @@ def analytic_activation_bytes(model: nn.Module, *inputs) -> AnalyticBytes:
     """The analytic count of activation bytes for one ``model(*inputs)``: an int, formula-backed
     bytes plus the unexplained ones (``.formula_bytes``, ``.unexplained_bytes``, and
     ``.unexplained`` naming the ops that saved them). See :func:`activation_table` for the lines.
-    Taught in ``13_memory``.
     """
     table = activation_table(model, *inputs)
     return AnalyticBytes(table.total, table.formula_bytes, table.uncovered)
