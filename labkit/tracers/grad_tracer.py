@@ -782,7 +782,8 @@ def _fast_full_scalars(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tenso
     wide = torch.float64 if flat.numel() > _EXACT_FLOAT_COUNT else None
     nonzero = magnitudes.sign_().sum(dtype=wide)
     return torch.stack(
-        (low.new_zeros(()), flat.numel() - nonzero, abs_total, torch.maximum(-low, high), low, high)
+        # max(-min, max) >= 0 always; abs() turns the -0.0 of an all-zero gradient into 0.0
+        (low.new_zeros(()), flat.numel() - nonzero, abs_total, torch.maximum(-low, high).abs(), low, high)
     ).double()
 
 
