@@ -285,18 +285,40 @@ def test_bf16_precision_traces_the_model_as_if_cast_to_bf16():
     assert table.total == memory.saved_bytes(model.to(torch.bfloat16), x.to(torch.bfloat16))
 
 
-def test_functional_code_in_forward_shows_up_as_a_line_without_formula():
+def test_functional_code_in_forward_is_covered_by_op_formulas():
     x = torch.randn(5, 8)
     table = memory.activation_table(FunctionalReLU(), x).against(memory.saved_tensors(FunctionalReLU(), x))
     functional = [line for line in table.lines if line.module == "(model)"]
-    assert functional[0].bytes == 0 and functional[0].exact == 5 * 8 * FLOAT
-    assert "functional code" in functional[0].saves
+    assert functional[0].bytes == functional[0].exact == 5 * 8 * FLOAT
+    assert functional[0].layer == "FunctionalReLU (ops)" and "relu 5×8 float32" in functional[0].saves
+    assert table.unexplained_bytes == 0
 
 
-def test_a_leaf_module_without_formula_is_named_not_guessed():
-    table = memory.activation_table(nn.GRU(4, 4), torch.randn(3, 2, 4))
-    assert [(line.layer, line.bytes) for line in table.lines] == [("GRU", 0)]
-    assert "no formula for GRU" in table.lines[0].saves
+RECURRENT_CASES = {
+    "GRU, batch_first": (lambda: nn.GRU(32, 64, batch_first=True), (16, 20, 32)),
+    "GRU, 2 layers": (lambda: nn.GRU(8, 16, num_layers=2), (5, 3, 8)),
+    "RNN tanh, 2 layers": (lambda: nn.RNN(8, 16, num_layers=2), (5, 3, 8)),
+    "RNN relu, batch_first": (lambda: nn.RNN(8, 16, nonlinearity="relu", batch_first=True), (3, 5, 8)),
+    "LSTM": (lambda: nn.LSTM(8, 16), (5, 3, 8)),
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["oneDNN-allowed", "unfused"])
+@pytest.mark.parametrize("case", list(RECURRENT_CASES))
+def test_recurrent_formulas_match_the_exact_count(case, fused):
+    make, shape = RECURRENT_CASES[case]
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(shape)
+    with torch.backends.mkldnn.flags(enabled=fused):
+        exact = memory.saved_bytes(model, x)
+        counted = memory.analytic_activation_bytes(model, x)
+    assert counted == counted.formula_bytes == exact
+
+
+def test_a_gru_given_its_initial_state_is_still_fully_counted():
+    x, h0 = torch.randn(5, 3, 8), torch.randn(1, 3, 16)
+    counted = memory.analytic_activation_bytes(nn.GRU(8, 16), x, h0)
+    assert counted == memory.saved_bytes(nn.GRU(8, 16), x, h0)
 
 
 def test_table_prints_each_layer_and_the_difference_to_the_exact_count():

@@ -116,6 +116,47 @@ def test_full_step_statistics_equal_hand_computed_values():
     assert record["hist_counts"] == [1, 0, 2, 2]
 
 
+def sampled_histogram(seed: int, coefficients: torch.Tensor, sample: int = 500) -> dict:
+    model = Weighted(coefficients.numel())
+    with GradTracer(model, full_every=1, histogram_bins=8, histogram_sample=sample, histogram_seed=seed) as tracer:
+        model(coefficients).backward()
+        tracer.step()
+    (record,) = tracer.history()
+    return record
+
+
+def test_a_sampled_histogram_is_deterministic_for_a_seed_and_says_it_is_sampled():
+    coefficients = torch.randn(5000, generator=torch.Generator().manual_seed(0)) ** 3
+    first, again, other = (sampled_histogram(seed, coefficients) for seed in (1, 1, 2))
+    assert first["hist_counts"] == again["hist_counts"]
+    assert first["hist_counts"] != other["hist_counts"]  # another seed draws other positions
+    assert (first["hist_sample"], first["numel"]) == (500, 5000)
+    assert sum(first["hist_counts"]) == 500
+    # the range and every other statistic stay exact over all 5000 values
+    assert (first["hist_lo"], first["hist_hi"]) == (coefficients.min().item(), coefficients.max().item())
+    assert first["max_abs"] == coefficients.abs().max().item()
+    assert first["mean_abs"] == pytest.approx(coefficients.abs().mean().item())
+    exact = sampled_histogram(1, coefficients, sample=5000)
+    assert exact["hist_sample"] == 5000
+    assert exact["hist_counts"] == torch.histc(coefficients, 8).long().tolist()
+    # a sample this size follows the exact shape: each bin within 5 points of its exact share
+    for sampled_count, exact_count in zip(first["hist_counts"], exact["hist_counts"]):
+        assert abs(sampled_count / 500 - exact_count / 5000) < 0.05
+    figure = plot_grad_histograms([first])
+    assert "sampled: 500 of 5,000 values" in figure.axes[0].get_title()
+
+
+def test_a_sampled_gradient_with_nonfinite_values_is_counted_exactly():
+    coefficients = torch.linspace(-1, 1, 3000)
+    coefficients[::100] = math.nan
+    coefficients[1] = math.inf
+    record = sampled_histogram(0, coefficients)
+    assert record["nonfinite"] == 31
+    finite = coefficients[torch.isfinite(coefficients)]
+    assert (record["hist_lo"], record["hist_hi"]) == (finite.min().item(), finite.max().item())
+    assert 0 < sum(record["hist_counts"]) < 500  # the sampled non-finite values are left out
+
+
 def test_cheap_steps_leave_the_expensive_statistics_out():
     model = Weighted()
     with GradTracer(model, full_every=2) as tracer:

@@ -24,6 +24,7 @@ from labkit.memory.estimate import estimate_step_peak
 from labkit.memory.formulas import (
     ActivationLine,
     ActivationTable,
+    AnalyticBytes,
     AnalyticMemory,
     activation_table,
     analytic_activation_bytes,
@@ -42,6 +43,7 @@ __all__ = [
     "TRAINING_PRECISIONS",
     "ActivationLine",
     "ActivationTable",
+    "AnalyticBytes",
     "AnalyticMemory",
     "MemoryReport",
     "SavedTensors",

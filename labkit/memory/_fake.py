@@ -20,10 +20,18 @@ from labkit._torch_compat import (
     TorchDispatchMode,
     aten_ops,
     fake_tensor_failures_unlogged,
+    raw_saved_tensors,
     tree_map_only,
 )
 from labkit.errors import LabkitError
-from labkit.memory._common import _device_of, _forward, _module_names, _storage_key, _tensors
+from labkit.memory._common import (
+    _device_of,
+    _forward,
+    _module_names,
+    _storage_key,
+    _storage_nbytes,
+    _tensors,
+)
 
 __all__: list[str] = []
 
@@ -105,7 +113,27 @@ def _fake_forward(model: nn.Module, inputs: Sequence):
         raise
 
 
-@dataclass
+@dataclass(frozen=True)
+class _OpCall:
+    """One aten op the fake forward ran, with its tensors (as the op saw them, below autograd)."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+    outputs: tuple
+    grad_enabled: bool  # off inside an autograd.Function's forward or no_grad: nothing is saved
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """One storage autograd saved during the fake forward (the exact count, on fake tensors)."""
+
+    nbytes: int
+    call: _Call | None  # the innermost module call running when it was saved
+    tensor: torch.Tensor
+
+
+@dataclass(eq=False)
 class _Call:
     name: str
     module: nn.Module
@@ -114,6 +142,8 @@ class _Call:
     outputs: list = field(default_factory=list)
     ops: set = field(default_factory=set)
     children: list = field(default_factory=list)
+    # the ops that ran while this was the innermost module call (its own code, not its children's)
+    own_ops: list = field(default_factory=list)
 
     @property
     def input(self) -> torch.Tensor:
@@ -165,21 +195,76 @@ class _CallRecorder(TorchDispatchMode):
         name = func.name().split("::")[-1].split(".")[0]
         for call in self._open:
             call.ops.add(name)
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        if self._open:
+            self._open[-1].own_ops.append(_OpCall(name, args, kwargs, tuple(_tensors(output)), torch.is_grad_enabled()))
+        return output
+
+    def innermost(self) -> _Call | None:
+        return self._open[-1] if self._open else None
 
 
-def _trace(model: nn.Module, inputs: Sequence, precision: str, device) -> tuple[list[_Call], set[int]]:
-    """Run the forward on fake tensors at the given precision; return the calls and the storages
-    that are model state or inputs (never counted as activations)."""
+class _SavedRecorder:
+    """The exact count inside the fake forward: every storage autograd saves, with the module call
+    running when it was saved; `op_names` then names the graph node (the op) that saved each."""
+
+    def __init__(self, recorder: _CallRecorder):
+        self._recorder = recorder
+        self.saved: dict[int, _Saved] = {}
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self.saved:
+            self.saved[key] = _Saved(_storage_nbytes(tensor), self._recorder.innermost(), tensor)
+        return tensor
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpacked)
+
+    def op_names(self, outputs: list[torch.Tensor]) -> dict[int, str]:
+        """Storage key -> the name of the graph node that saved it (``ExpBackward0``)."""
+        names: dict[int, str] = {}
+        frontier, walked = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
+        while frontier:
+            node = frontier.pop()
+            if node is None or node in walked:
+                continue
+            walked.add(node)
+            for handle in raw_saved_tensors(node):
+                if isinstance(handle.data, torch.Tensor):
+                    names.setdefault(_storage_key(handle.data), node.name())
+            frontier.extend(next_node for next_node, _ in node.next_functions)
+        return names
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@dataclass(frozen=True)
+class _Trace:
+    calls: list[_Call]
+    excluded: set[int]  # storages of parameters, buffers and inputs: never activations
+    saved: dict[int, _Saved]
+    op_names: dict[int, str]
+
+
+def _trace(model: nn.Module, inputs: Sequence, precision: str, device) -> _Trace:
+    """Run the forward on fake tensors at the given precision: the module calls, the storages that
+    are model state or inputs, and what autograd saved (each storage once), by module and op."""
     mode = FakeTensorMode()
     dtype = _PURE_DTYPES.get(precision)
     fake_model, fake_inputs = _fake_copy(model, inputs, mode, dtype, device)
     state = [*fake_model.parameters(), *fake_model.buffers(), *_tensors(fake_inputs)]
     recorder = _CallRecorder(fake_model)
+    saved = _SavedRecorder(recorder)
     with _fake_run(mode), _autocast_for(precision, device or _device_of(model, inputs)):
-        with recorder.recording():
-            _fake_forward(fake_model, fake_inputs)
-    return recorder.calls, {_storage_key(t) for t in state}
+        with recorder.recording(), saved.hooks():
+            output = _fake_forward(fake_model, fake_inputs)
+    excluded = {_storage_key(t) for t in state}
+    kept = {key: item for key, item in saved.saved.items() if key not in excluded}
+    return _Trace(recorder.calls, excluded, kept, saved.op_names(_tensors(output)))
 
 
 _PURE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16,

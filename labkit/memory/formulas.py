@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.errors import LabkitError
 from labkit.memory._common import (
     _check_inputs,
     _check_model,
@@ -29,13 +28,14 @@ from labkit.memory._common import (
     _tensors,
     _with_autograd,
 )
-from labkit.memory._fake import _Call, _trace
+from labkit.memory._fake import _Call, _Trace, _trace
 from labkit.memory.report import MemoryReport
 from labkit.memory.saved import SavedTensors
 from labkit.readings import Reading, format_bytes
 
 __all__ = [
     "ActivationLine",
+    "AnalyticBytes",
     "ActivationTable",
     "AnalyticMemory",
     "activation_table",
@@ -344,6 +344,47 @@ def _between_layers(module, layer, shape, dtype, last_output) -> tuple[_Item, li
     return last_output, []
 
 
+# The decomposed (unfused) recurrent path, one step at a time in aten ops, as the CPU runs GRU and
+# RNN (and LSTM without oneDNN): per layer and time step autograd keeps, in B x H blocks,
+# RNN: the step's tanh/relu output (also the next step's hidden input) plus the zero initial state,
+# (T + 1) blocks; GRU: the hidden-side projection (3 blocks), reset and update gates, the new
+# gate's tanh, h - n, and the previous hidden state, 7 T blocks; LSTM: the four gates, tanh(c),
+# the previous h and c, 7 T blocks. A layer's input is kept too when it is not the model's input:
+# the previous layer's outputs stacked (T x B x H), or a batch_first input copied to
+# (seq, batch, features). Checked against the exact count in tests/test_memory.py.
+_STEP_BLOCKS = {nn.GRU: 7, nn.LSTM: 7}
+_FUSED_RECURRENT = {"mkldnn_rnn_layer", "_cudnn_rnn", "_thnn_fused_gru_cell", "_thnn_fused_lstm_cell",
+                    "miopen_rnn"}
+
+
+def _unfused_recurrent(call: _Call) -> list[_Item] | None:
+    module, x = call.module, call.input
+    given_state = len(_tensors(call.args[1:])) > 0 or bool(_tensors(call.kwargs))
+    if (call.ops & _FUSED_RECURRENT or module.bidirectional or getattr(module, "proj_size", 0)
+            or x.dim() != 3 or given_state or (module.training and module.dropout > 0)):
+        return None
+    seq_dim = 1 if module.batch_first else 0
+    T, B, H = x.shape[seq_dim], x.shape[1 - seq_dim], module.hidden_size
+    kind = type(module).__name__
+    blocks = _STEP_BLOCKS.get(type(module), None)
+    items = []
+    for layer in range(module.num_layers):
+        count = blocks * T if blocks is not None else T + 1
+        items.append(_fresh(f"{kind} layer {layer}: {count} blocks of B x H per the step formula",
+                            (count, B, H), x.dtype))
+        if layer > 0:
+            items.append(_fresh(f"layer {layer - 1} outputs stacked (layer {layer}'s input)", (T, B, H), x.dtype))
+        elif module.batch_first:
+            items.append(_fresh("input copied to (seq, batch, features)", (T, B, x.shape[-1]), x.dtype))
+    return items
+
+
+def _recurrent(call: _Call) -> list[_Item] | None:
+    if isinstance(call.module, nn.LSTM) and "mkldnn_rnn_layer" in call.ops:
+        return _lstm(call)
+    return _unfused_recurrent(call)
+
+
 def _transformer_layer(call: _Call) -> list[_Item] | None:
     """The feed-forward activation TransformerEncoder/DecoderLayer applies as a plain function."""
     module = call.module
@@ -375,9 +416,110 @@ _FORMULAS: tuple[tuple[tuple[type, ...], Callable[[_Call], list[_Item] | None]],
     ((nn.Identity, nn.Flatten, nn.Unflatten), _saves_nothing),
     ((nn.Embedding,), _embedding),
     ((nn.MultiheadAttention,), _attention),
-    ((nn.LSTM,), _lstm),
+    ((nn.LSTM, nn.GRU, nn.RNN), _recurrent),
     ((nn.TransformerEncoderLayer, nn.TransformerDecoderLayer), _transformer_layer),
 )
+
+
+# ----------------------------------------------------------------- op-level formulas
+# What the backward of each aten op saves (derivatives.yaml's formulas, by the op's own arguments
+# and outputs), for code no module formula covers: functional calls in a forward, custom modules.
+# Keys are the op names the fake trace records; an op saves a tensor only when the gradient that
+# needs it is wanted (``requires_grad`` of the other operand, as autograd's should_compute_output).
+def _needs(tensor) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad
+
+
+def _any_needs(op) -> bool:
+    return any(_needs(t) for t in _tensors((op.args, op.kwargs)))
+
+
+def _product(first: int, second: int):
+    """A product of two operands saves each one for the other's gradient."""
+    def saved(op) -> list:
+        a, b = op.args[first], op.args[second]
+        both = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return [t for t, other in ((a, b), (b, a)) if both and _needs(other)]
+    return saved
+
+
+def _division(op) -> list:
+    numerator, denominator = op.args[0], op.args[1]
+    if not isinstance(denominator, torch.Tensor):
+        return []
+    return ([denominator] if _any_needs(op) else []) + ([numerator] if _needs(denominator) else [])
+
+
+def _arguments(*positions: int):
+    def saved(op) -> list:
+        return [op.args[i] for i in positions if i < len(op.args) and isinstance(op.args[i], torch.Tensor)
+                ] if _any_needs(op) else []
+    return saved
+
+
+def _results(*positions: int):
+    def saved(op) -> list:
+        return [op.outputs[i] for i in positions if i < len(op.outputs)] if _any_needs(op) else []
+    return saved
+
+
+def _both(*saving):
+    def saved(op) -> list:
+        return [t for rule in saving for t in rule(op)]
+    return saved
+
+
+def _scalar_power(op) -> list:
+    return [op.args[0]] if _needs(op.args[0]) and not isinstance(op.args[1], torch.Tensor) else []
+
+
+_OP_FORMULAS = {
+    **dict.fromkeys(("mm", "bmm", "mul", "dot", "mv"), _product(0, 1)),
+    **dict.fromkeys(("addmm", "baddbmm", "addbmm", "addmv"), _product(1, 2)),
+    "div": _division,
+    # results: d tanh = 1 - y², d exp = y, softmax's and log-softmax's backward read the output
+    **dict.fromkeys(("exp", "tanh", "sigmoid", "relu", "sqrt", "rsqrt", "reciprocal", "_softmax",
+                     "_log_softmax"), _results(0)),
+    # inputs: the derivative is a function of x
+    **dict.fromkeys(("gelu", "silu", "mish", "log", "log1p", "sin", "cos", "abs", "erf", "softplus",
+                     "leaky_relu", "hardtanh", "hardswish", "elu", "clamp", "clamp_min", "clamp_max",
+                     "threshold", "_adaptive_avg_pool2d", "avg_pool2d", "avg_pool3d"), _arguments(0)),
+    "pow": _scalar_power,
+    "native_layer_norm": _both(_arguments(0, 2, 3), _results(1, 2)),
+    "native_group_norm": _both(_arguments(0, 1), _results(1, 2)),
+    **dict.fromkeys(("_native_batch_norm_legit", "native_batch_norm"), _both(_arguments(0, 1, 3, 4), _results(1, 2))),
+    "convolution": _arguments(0, 1),
+    "native_dropout": _results(1),
+    "embedding": lambda op: [op.args[1]] if _needs(op.args[0]) else [],
+    **dict.fromkeys(("max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool2d"),
+                    _both(_arguments(0), _results(1))),
+    "where": lambda op: [op.args[0]] if any(_needs(t) for t in op.args[1:]) else [],
+    "masked_fill": lambda op: [op.args[1]] if _needs(op.args[0]) else [],
+    # F.scaled_dot_product_attention's fused kernels: q, k, v, the output and the log-sum-exp rows
+    "_scaled_dot_product_flash_attention_for_cpu": _both(_arguments(0, 1, 2), _results(0, 1)),
+    "_scaled_dot_product_efficient_attention": _both(_arguments(0, 1, 2, 3), _results(0, 1)),
+    "_scaled_dot_product_flash_attention": _both(_arguments(0, 1, 2), _results(0, 1)),
+    "nll_loss_forward": _both(_arguments(1, 2), _results(1)),
+    "mse_loss": _arguments(0, 1),
+    # ops whose backward needs only shapes (or nothing): views, copies, sums, concatenation
+    **dict.fromkeys(("add", "sub", "neg", "sum", "mean", "view", "_unsafe_view", "reshape", "permute",
+                     "transpose", "t", "expand", "unsqueeze", "squeeze", "slice", "select", "clone",
+                     "cat", "stack", "split", "split_with_sizes", "unsafe_split", "unbind", "alias",
+                     "detach", "_to_copy", "contiguous", "flatten", "narrow", "chunk", "repeat",
+                     "rsub", "zeros", "zeros_like", "ones", "ones_like", "empty", "full", "copy_",
+                     "fill_", "zero_", "lift_fresh", "as_strided", "_reshape_alias", "new_zeros",
+                     "new_ones", "new_empty", "scalar_tensor", "arange"), lambda op: []),
+}
+
+
+def _op_items(op) -> list[_Item] | None:
+    """What one op saves, by its formula; None for an op no formula covers."""
+    formula = _OP_FORMULAS.get(op.name)
+    if formula is None:
+        return None
+    if not op.grad_enabled:
+        return []
+    return [_kept(op.name, tensor) for tensor in formula(op) if isinstance(tensor, torch.Tensor)]
 
 
 def _formula_for(module: nn.Module):
@@ -389,15 +531,35 @@ def _formula_for(module: nn.Module):
 
 @dataclass(frozen=True)
 class ActivationLine:
-    """One module's share of the activations: what its backward needs kept, and the bytes."""
+    """One module's share of the activations: what its backward needs kept, and the bytes.
+
+    ``has_formula=False`` marks an *unexplained* line: bytes autograd saved (counted exactly, on
+    fake tensors, in the same trace) that no module or op formula accounts for; ``layer`` then
+    names the op that saved them (``unexplained: MyFunctionBackward``)."""
 
     module: str
     layer: str
     saves: str
     bytes: int
     exact: int | None = None
-    # False: no formula covers this module, so its bytes are unknown (the 0 is not a count)
     has_formula: bool = True
+
+
+class AnalyticBytes(int):
+    """`analytic_activation_bytes`'s answer: an int (all the bytes), which also says how many of
+    them a formula explains (``formula_bytes``) and which ops saved the rest (``unexplained``)."""
+
+    formula_bytes: int
+    unexplained: tuple[str, ...]
+
+    def __new__(cls, total: int, formula_bytes: int, unexplained: tuple[str, ...]) -> AnalyticBytes:
+        value = super().__new__(cls, total)
+        value.formula_bytes, value.unexplained = formula_bytes, unexplained
+        return value
+
+    @property
+    def unexplained_bytes(self) -> int:
+        return int(self) - self.formula_bytes
 
 
 @dataclass(frozen=True)
@@ -408,9 +570,11 @@ class ActivationTable:
     first line only, as autograd stores it once. ``against(saved_tensors(...))`` fills in the exact
     count per module so the two can be read side by side.
 
-    ``total`` sums the lines that have a formula; ``uncovered`` names the modules that have none
-    (their bytes are unknown, not 0), and ``int(table)`` refuses to pass such a sum off as the
-    model's activations.
+    Module formulas cover the standard layers; the code around them (functional calls, custom
+    modules) is covered op by op; whatever autograd saved that neither explains gets an
+    *unexplained* line naming the op that saved it, with its exact bytes. ``total`` (and
+    ``int(table)``) counts every line; ``formula_bytes`` the explained ones, ``unexplained_bytes``
+    the rest, and ``uncovered`` names the unexplained lines.
     """
 
     lines: tuple[ActivationLine, ...]
@@ -421,24 +585,27 @@ class ActivationTable:
         return sum(line.bytes for line in self.lines)
 
     @property
+    def formula_bytes(self) -> int:
+        return sum(line.bytes for line in self.lines if line.has_formula)
+
+    @property
+    def unexplained_bytes(self) -> int:
+        return self.total - self.formula_bytes
+
+    @property
     def uncovered(self) -> tuple[str, ...]:
-        """The modules no formula covers, as ``name (Layer)``: what they save is not counted."""
-        return tuple(f"{line.module} ({line.layer})" for line in self.lines if not line.has_formula)
+        """The unexplained lines, as ``module (op that saved it)``."""
+        return tuple(f"{line.module} ({line.layer.removeprefix('unexplained: ')})"
+                     for line in self.lines if not line.has_formula)
 
     def __int__(self) -> int:
-        if self.uncovered:
-            raise LabkitError(
-                f"no formula covers {', '.join(self.uncovered)}: what it saves is unknown, not 0, so the "
-                f"analytic total ({self.total:,} B for the other layers) is not the model's; print "
-                "activation_table(model, x) to see the lines, or use saved_bytes(model, x) for the exact count"
-            )
         return self.total
 
     def against(self, exact: SavedTensors) -> ActivationTable:
         """This table with the exact count of each module beside the formula."""
         remaining = dict(exact.per_module)
         lines = [replace(line, exact=remaining.pop(line.module, 0)) for line in self.lines]
-        lines += [ActivationLine(name, "-", "no formula: functional code in this module's forward", 0, nbytes)
+        lines += [ActivationLine(name, "-", "no line in the analytic table", 0, nbytes)
                   for name, nbytes in remaining.items()]
         return replace(self, lines=tuple(lines), title=self.title + " vs exact count")
 
@@ -449,8 +616,8 @@ class ActivationTable:
                             f"{line.exact:,}" if line.exact is not None else "", line.saves)
                  for line in self.lines]
         rows.append(_table_row("total (bytes)", "", f"{self.total:,}", self._exact_total(), self._difference()))
-        if self.uncovered:
-            rows.append(f"  not counted (no formula): {', '.join(self.uncovered)}")
+        rows.append(f"  formula-backed: {self.formula_bytes:,} B of {self.total:,} B"
+                    + (f"; unexplained (exact bytes, no formula): {', '.join(self.uncovered)}" if self.uncovered else ""))
         return "\n".join(rows)
 
     def _exact_total(self) -> str:
@@ -468,16 +635,19 @@ def _table_row(module, layer, analytic, exact, saves) -> str:
     return f"  {module:<24} {layer:<20} {analytic:>13} {exact:>13}   {saves}"
 
 
-def _line_for(call: _Call, counted: set, excluded: set) -> ActivationLine | None:
+def _module_items(call: _Call) -> list[_Item] | None:
+    """The module formula's items for one call; None when no module formula covers it."""
     formula = _formula_for(call.module)
-    if formula is None and next(call.module.children(), None) is not None:
-        return None  # a container: its children have the lines
-    items = formula(call) if formula is not None and call.needs_grad else []
-    # a module none of whose outputs needs grad saves nothing, formula or not
-    if items is None or (formula is None and call.needs_grad):
-        kind = type(call.module).__name__
-        return ActivationLine(call.name, kind, f"no formula for {kind} here: compare with the exact count", 0,
-                              has_formula=False)
+    if formula is None:
+        return None
+    return formula(call) if call.needs_grad else []  # a module no output of which needs grad saves nothing
+
+
+def _op_line_items(call: _Call) -> list[_Item]:
+    return [item for op in call.own_ops for item in (_op_items(op) or [])]
+
+
+def _line(call: _Call, items: list[_Item], counted: set, excluded: set, layer: str) -> ActivationLine:
     texts, nbytes = [], 0
     for item in dict.fromkeys(items):
         if _is_model_state(item, excluded):
@@ -488,22 +658,60 @@ def _line_for(call: _Call, counted: set, excluded: set) -> ActivationLine | None
             counted.add(item.key)
             texts.append(item.what)
             nbytes += item.nbytes
-    return ActivationLine(call.name, type(call.module).__name__, "; ".join(texts) or "nothing", nbytes)
+    return ActivationLine(call.name, layer, "; ".join(texts) or "nothing", nbytes)
 
 
 def _is_model_state(item: _Item, excluded: set) -> bool:
     return isinstance(item.key, tuple) and item.key[0] == "storage" and item.key[1] in excluded
 
 
+def _formula_lines(trace: _Trace) -> tuple[list[ActivationLine], set, set]:
+    """Module lines where a module formula covers the call, op lines for the code of the other
+    calls; returns the lines, the storages they counted, and the calls a module formula covers."""
+    counted: set = set()
+    covered: set = set()
+    lines = []
+    for call in trace.calls:
+        if call in covered:
+            continue
+        items = _module_items(call)
+        if items is not None:
+            # a container's formula (TransformerEncoderLayer's) covers its own code; its children
+            # have their own lines
+            covered.add(call)
+            lines.append(_line(call, items, counted, trace.excluded, type(call.module).__name__))
+            continue
+        op_items = _op_line_items(call)
+        if op_items or next(call.module.children(), None) is None:
+            layer = f"{type(call.module).__name__} (ops)"
+            lines.append(_line(call, op_items, counted, trace.excluded, layer))
+    return lines, counted, covered
+
+
+def _unexplained_lines(trace: _Trace, counted: set, covered: set) -> list[ActivationLine]:
+    """What autograd saved that no formula explains, grouped by module and the op that saved it."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for key, saved in trace.saved.items():
+        if ("storage", key) in counted or saved.call in covered:
+            continue
+        owner = saved.call.name if saved.call is not None else "(outside any module)"
+        op = trace.op_names.get(key, "an op whose node is off the output's graph")
+        groups.setdefault((owner, op), []).append(saved.nbytes)
+    return [ActivationLine(owner, f"unexplained: {op}",
+                           f"saved by {op}, which no formula covers: {len(sizes)} storage(s), exact bytes",
+                           sum(sizes), has_formula=False)
+            for (owner, op), sizes in groups.items()]
+
+
 def _merge_by_module(lines: list[ActivationLine]) -> tuple[ActivationLine, ...]:
     # a module called twice (weight sharing) gets one line, as in the exact count
-    merged: dict[str, ActivationLine] = {}
+    merged: dict[tuple[str, bool], ActivationLine] = {}
     for line in lines:
-        if line.module in merged:
-            first = merged[line.module]
-            line = replace(first, saves=f"{first.saves} | {line.saves}", bytes=first.bytes + line.bytes,
-                           has_formula=first.has_formula and line.has_formula)
-        merged[line.module] = line
+        key = (line.module, line.has_formula, line.layer if not line.has_formula else "")
+        if key in merged:
+            first = merged[key]
+            line = replace(first, saves=f"{first.saves} | {line.saves}", bytes=first.bytes + line.bytes)
+        merged[key] = line
     return tuple(merged.values())
 
 
@@ -514,7 +722,11 @@ def activation_table(model: nn.Module, *inputs, precision: str = "fp32", device=
     The forward runs on fake tensors only to learn each layer's shapes, dtypes and which kernel the
     dispatcher picks (fused attention or not, oneDNN LSTM or not); the bytes come from formulas
     for Linear, Conv, BatchNorm, LayerNorm, GroupNorm, activations, dropout, pooling, embedding,
-    MultiheadAttention (fused SDPA and explicit softmax) and the oneDNN LSTM. ``precision`` runs
+    MultiheadAttention (fused SDPA and explicit softmax), the oneDNN LSTM and the unfused RNN, GRU
+    and LSTM; code outside those modules (functional calls such as ``F.scaled_dot_product_attention``,
+    views, custom modules) is covered op by op. Bytes autograd saved that no formula explains are
+    not dropped: each gets an *unexplained* line naming the op that saved it, with its exact bytes
+    from the same trace. ``precision`` runs
     the trace under autocast (``amp_*``) or with 16-bit weights (``bf16``, ``fp16``, ``mixed_*``).
     ``device`` traces as if the tensors lived there: a meta-device model with ``device="cpu"``
     gets the CPU kernels' choices (fused attention, oneDNN LSTM) without allocating anything.
@@ -523,19 +735,19 @@ def activation_table(model: nn.Module, *inputs, precision: str = "fp32", device=
     _check_model(model)
     _check_inputs(inputs)
     _check_precision(precision)
-    calls, excluded = _trace(model, inputs, precision, _optional_device(device))
-    counted: set = set()
-    lines = [line for call in calls if (line := _line_for(call, counted, excluded)) is not None]
+    trace = _trace(model, inputs, precision, _optional_device(device))
+    lines, counted, covered = _formula_lines(trace)
+    lines += _unexplained_lines(trace, counted, covered)
     return ActivationTable(_merge_by_module(lines))
 
 
-def analytic_activation_bytes(model: nn.Module, *inputs) -> int:
-    """The formula-based count of activation bytes for one ``model(*inputs)``, as an int.
-
-    See :func:`activation_table` for the per-layer lines. A model with a layer no formula covers
-    gets a LabkitError naming it, not a sum that silently counts that layer as 0.
+def analytic_activation_bytes(model: nn.Module, *inputs) -> AnalyticBytes:
+    """The analytic count of activation bytes for one ``model(*inputs)``: an int, formula-backed
+    bytes plus the unexplained ones (``.formula_bytes``, ``.unexplained_bytes``, and
+    ``.unexplained`` naming the ops that saved them). See :func:`activation_table` for the lines.
     """
-    return int(activation_table(model, *inputs))
+    table = activation_table(model, *inputs)
+    return AnalyticBytes(table.total, table.formula_bytes, table.uncovered)
 
 
 # bytes per parameter for (weights, gradients, master copy, each optimizer slot)
@@ -591,13 +803,15 @@ class AnalyticMemory:
     activations: ActivationTable
 
     def report(self) -> MemoryReport:
-        uncovered = self.activations.uncovered
-        source = "per-layer formulas" + (f"; not counted: {', '.join(uncovered)}" if uncovered else "")
-        activations = Reading(self.activations.total, "B", "estimated", source=source)
+        table = self.activations
+        uncovered = table.uncovered
+        source = "per-layer formulas" + (
+            f"; {table.unexplained_bytes:,} B unexplained, saved by {', '.join(uncovered)}" if uncovered else "")
+        activations = Reading(table.total, "B", "estimated", source=source)
         notes = ["sum of the parts, not the peak of a step: see estimate_step_peak"]
         if uncovered:
-            notes.append(f"no formula covers {', '.join(uncovered)}: their activations are not counted, so the "
-                         "activations row is too low (saved_bytes gives the exact count)")
+            notes.append(f"formula-backed {table.formula_bytes:,} B of {table.total:,} B; no formula covers "
+                         f"{', '.join(uncovered)}: their bytes are the exact count from the same fake trace")
         return replace(self.state, title=self.state.title + " + activations",
                        rows=(*self.state.rows, ("activations", activations)), notes=tuple(notes))
 

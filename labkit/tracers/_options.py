@@ -93,3 +93,13 @@ def _check_optimizer_owns_some(
             "pass the optimizer built from this model's parameters, "
             f"GradTracer(model, torch.optim.{type(optimizer).__name__}(model.parameters(), ...))"
         )
+
+
+def _check_histogram_sample(sample: object, seed: object) -> None:
+    if sample is not None and (not isinstance(sample, int) or isinstance(sample, bool) or sample < 1):
+        raise LabkitError(
+            f"histogram_sample must be an integer >= 1 (values a histogram samples) or None "
+            f"(count every value), got {sample!r}"
+        )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise LabkitError(f"histogram_seed must be an integer, got {seed!r}")

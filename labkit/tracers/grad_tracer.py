@@ -24,7 +24,6 @@ from torch import nn
 from labkit._torch_compat import (
     foreach_copy_,
     foreach_norm,
-    foreach_sub,
     graph_task_id,
     queue_backward_callback,
     rearm_post_accumulate_grad_hooks,
@@ -32,6 +31,7 @@ from labkit._torch_compat import (
 )
 from labkit.errors import LabkitError
 from labkit.tracers._options import (
+    _check_histogram_sample,
     _check_optimizer_owns_some,
     _check_thresholds,
     _check_tracer_options,
@@ -41,6 +41,7 @@ __all__ = [
     "ACTIVATION_KEYS",
     "ALERT_KINDS",
     "EXPLODE_MIN_BASELINE",
+    "HISTOGRAM_SAMPLE",
     "HISTORY_KEYS",
     "NUMERIC_GRAD_STATS",
     "SATURATED_DERIVATIVE",
@@ -69,6 +70,7 @@ class _GradRow(NamedTuple):
     hist_counts: list[int] | None = None
     hist_lo: float | None = None
     hist_hi: float | None = None
+    hist_sample: int | None = None
 
 
 class _FullStats(NamedTuple):
@@ -81,6 +83,7 @@ class _FullStats(NamedTuple):
     hist_counts: list[int] | None = None
     hist_lo: float | None = None
     hist_hi: float | None = None
+    hist_sample: int | None = None
 
 
 class _ActivationRow(NamedTuple):
@@ -110,6 +113,10 @@ SATURATED_DERIVATIVE = 0.02
 # dot() and sum() in half precision overflow; these dtypes are reduced as they are.
 _REDUCED_AS_IS = (torch.float32, torch.float64)
 _FULL_SCALARS = 6  # non-finite count, zero count, sum |g|, max |g|, finite min, finite max
+# A gradient larger than this many values gets its histogram from a fixed sample of this size:
+# an exact torch.histc costs ~7 ns a value (31 ms on 4.3 M values, a whole training step), the
+# sample's binning a few microseconds; the record says how many values the counts come from.
+HISTOGRAM_SAMPLE = 16_384
 _NO_FULL_STATS = _FullStats()
 # An exploding alert compares a norm with the median of the parameter's last finite norms, and
 # waits until it has this many (or all `baseline_steps`, if fewer): the median of one or two norms
@@ -189,11 +196,17 @@ class GradTracer:
 
     With ``full_every=N`` (0, the default, is never), steps 0, N, 2N... are full-statistics steps
     that also record
-    ``max_abs``, ``mean_abs``, ``zero_frac`` and a ``histogram_bins``-bin histogram of the finite
-    values; on other steps these are ``None``. Each costs another pass over every gradient, which
-    is why the every-step mode leaves them out. ``activations=True`` adds forward hooks on the
+    ``max_abs``, ``mean_abs``, ``zero_frac`` (all exact) and a ``histogram_bins``-bin histogram of
+    the finite values over their exact range [``hist_lo``, ``hist_hi``]; on other steps these are
+    ``None``. The histogram counts every value of a gradient of at most ``histogram_sample``
+    values (default `HISTOGRAM_SAMPLE` = 16,384) and, of a larger one, a fixed sample of that
+    many positions, drawn once per parameter from ``histogram_seed`` (the same seed gives the same
+    histogram); ``hist_sample`` says how many values the counts come from (``numel`` when exact;
+    ``histogram_sample=None`` counts them all, at ~7 ns a value). Together these cost about three
+    more passes over every gradient. ``activations=True`` adds forward hooks on the
     model's leaf modules (`activation_history`); ``update_ratio=True`` (needs the optimizer)
-    records ``||p_after - p_before|| / ||p_before||`` per parameter.
+    records ``||p_after - p_before|| / ||p_before||`` per parameter, exactly, from one copy of the
+    parameters kept across steps.
 
     Alerts (`alerts`): ``missing`` (a parameter that requires grad got none), ``nonfinite``,
     ``exploding`` (norm above ``explode_factor`` times the median of its last ``baseline_steps``
@@ -231,6 +244,8 @@ class GradTracer:
         *,
         full_every: int = 0,
         histogram_bins: int = 32,
+        histogram_sample: int | None = HISTOGRAM_SAMPLE,
+        histogram_seed: int = 0,
         activations: bool = False,
         update_ratio: bool = False,
         max_steps: int | None = 10_000,
@@ -243,6 +258,7 @@ class GradTracer:
         _check_tracer_options(
             model, optimizer, full_every, histogram_bins, update_ratio, max_steps, baseline_steps
         )
+        _check_histogram_sample(histogram_sample, histogram_seed)
         _check_thresholds(activations, update_ratio, vanish_ratio, explode_factor, dead_above, unit_dim)
         if unit_dim == 0:
             raise LabkitError(
@@ -263,6 +279,12 @@ class GradTracer:
         self._params = [p for _, p in named]
         self._full_every = full_every
         self._bins = histogram_bins
+        self._sample_size = histogram_sample
+        self._sample_seed = histogram_seed
+        # Per parameter, the positions its histogram samples (None: all), drawn on first use.
+        self._sample_positions: dict[int, torch.Tensor | None] = {}
+        # One |g| buffer per (dtype, device), as long as the largest gradient: full steps reuse it.
+        self._scratch: dict[tuple, torch.Tensor] = {}
         self._trace_activations = activations
         self._trace_updates = update_ratio
         self._vanish_ratio = vanish_ratio
@@ -288,6 +310,7 @@ class GradTracer:
         self._backwards: dict[int, dict[int, tuple]] = {}
         self._activation_modules: list[tuple[str, nn.Module]] = []
         self._params_before: list[torch.Tensor] = []
+        self._norms_before: list[torch.Tensor] = []
         self._reset_pending()
 
     # ----------------------------------------------------------------- attach / detach
@@ -323,6 +346,7 @@ class GradTracer:
         if self._finalizer is not None:
             self._finalizer()
         self._params_before = []
+        self._scratch.clear()
         self._attached = False
         self._backwards.clear()
         self._reset_pending()
@@ -417,9 +441,46 @@ class GradTracer:
         seen = grad.detach() if grad.requires_grad else grad  # create_graph=True: off its graph
         if seen.is_sparse:
             seen = seen.to_dense()
-        staged[index] = (grad, seen, _gradient_summary(seen, self._bins if self._full_step else 0))
+        flat = _flat_for_reduction(seen)
+        summary = (torch.dot(flat, flat), flat.sum())
+        if self._full_step:
+            summary = (*summary, *self._full_summary(index, flat))
+        staged[index] = (grad, seen, summary)
         if task < 0:  # not inside the autograd engine's backward: nothing to wait for
             self._commit(staged)
+
+    def _full_summary(self, index: int, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._sample_size is None:
+            return (_exact_full_summary(flat, self._bins),)
+        positions = self._histogram_positions(index, flat)
+        sample = flat.clone() if positions is None else flat.take(positions)
+        return (_fast_full_scalars(flat, self._scratch_for(flat)), sample)
+
+    def _histogram_positions(self, index: int, flat: torch.Tensor) -> torch.Tensor | None:
+        """The fixed positions of ``flat`` that parameter ``index``'s histogram counts, or None
+        for all of them; drawn once (per size) from the seed, so every step samples the same ones."""
+        key = (index, flat.numel(), flat.device)
+        if key not in self._sample_positions:
+            positions = None
+            if self._sample_size is not None and flat.numel() > self._sample_size:
+                generator = torch.Generator().manual_seed(self._sample_seed + index)
+                drawn = torch.randint(flat.numel(), (self._sample_size,), generator=generator)
+                positions = drawn.sort().values.to(flat.device)  # sorted: reads memory in order
+            self._sample_positions[key] = positions
+        return self._sample_positions[key]
+
+    def _hist_sample(self, numel: int) -> int:
+        if self._sample_size is None or numel <= self._sample_size:
+            return numel
+        return self._sample_size
+
+    def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
+        key = (flat.dtype, flat.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < flat.numel():
+            longest = max(flat.numel(), *(p.numel() for p in self._params))
+            scratch = self._scratch[key] = torch.empty(longest, dtype=flat.dtype, device=flat.device)
+        return scratch[: flat.numel()]
 
     def _begin_backward(self, task: int) -> dict[int, tuple]:
         # The first gradient of a backward pass; the step's gradients may have been thrown away
@@ -481,14 +542,16 @@ class GradTracer:
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         foreach_copy_(self._params_before, [p.detach() for p in self._params])
+        self._norms_before = foreach_norm(self._params_before)
 
     def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         update = None
         if self._trace_updates:
-            deltas = foreach_sub([p.detach() for p in self._params], self._params_before)
-            update = torch.stack(
-                [*foreach_norm(deltas), *foreach_norm(self._params_before)]
-            )
+            # In place, in the copy kept across steps: a fresh tensor for the difference would
+            # allocate (and page in) a second copy of the parameters every step.
+            for before, param in zip(self._params_before, self._params):
+                before.sub_(param.detach())
+            update = torch.stack([*foreach_norm(self._params_before), *self._norms_before])
         self._close_step(update)
 
     # ----------------------------------------------------------------- step boundary
@@ -538,7 +601,7 @@ class GradTracer:
             )
         activations = [(k, p) for k, p in enumerate(self._activation_pending) if p is not None]
         summaries = [s for s in self._pending if s is not None]
-        on_device = _step_tensors(summaries, [p for _, p in activations], update)
+        on_device = _step_tensors(summaries, [p for _, p in activations], update, self._bins)
         # The one synchronisation of the step: everything the hooks left on the device, at once.
         values = iter(torch.cat(on_device).tolist() if on_device else ())
         cheap = iter([(next(values), next(values)) for _ in summaries])
@@ -561,7 +624,12 @@ class GradTracer:
         if self._pending[index] is None:
             return _GradRow(step, name, numel, frozen, True, 0)
         total_sq, total = next(cheap)
-        full = _read_full_stats(values, numel, self._bins) if self._full_step else _NO_FULL_STATS
+        full = _NO_FULL_STATS
+        if self._full_step:
+            sample = self._hist_sample(numel)
+            full = _read_full_stats(values, numel, self._bins, sample)
+            if self._sample_size is not None and not math.isfinite(total_sq):
+                full = self._nonfinite_full_stats(index, sample)
         nonfinite = full.nonfinite
         if nonfinite is None:
             # The sum of squares is non-finite exactly when a value is (or when it overflows).
@@ -570,8 +638,17 @@ class GradTracer:
             step, name, numel, frozen, False, self._accumulations[index],
             math.sqrt(total_sq), total / numel, _sample_std(total_sq, total, numel),
             full.max_abs, full.mean_abs, full.zero_frac, nonfinite, None,
-            full.hist_counts, full.hist_lo, full.hist_hi,
+            full.hist_counts, full.hist_lo, full.hist_hi, full.hist_sample,
         )  # fmt: skip
+
+    def _nonfinite_full_stats(self, index: int, sample: int) -> _FullStats:
+        # The sampled path assumed finite values; a non-finite sum of squares says otherwise, so
+        # this step's full statistics are taken again, exactly, from the gradient the hook saw
+        # (a second synchronisation, only on such a step).
+        flat = _flat_for_reduction(self._grads_seen[index])
+        positions = self._histogram_positions(index, flat)
+        values = iter(_nonfinite_full_summary(flat, positions, self._bins).tolist())
+        return _read_full_stats(values, flat.numel(), self._bins, sample)
 
     def _activation_row(self, index: int, pending: list, values: Iterator[float]) -> _ActivationRow:
         calls, count, _, alive = pending
@@ -670,15 +747,15 @@ def _refuse_traced(ids: set[int], model: nn.Module) -> None:
         )
 
 
-def _gradient_summary(grad: torch.Tensor, bins: int) -> tuple[torch.Tensor, ...]:
-    """Device-side reductions of one gradient: sum of squares and sum; with ``bins``, also a
-    tensor of the `_FULL_SCALARS` and a histogram. Each reduction is one pass over the gradient's
-    memory, the cost of the every-step mode."""
+def _flat_for_reduction(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient as one row, in a dtype whose sums do not overflow. The every-step mode's
+    statistics are two reductions of it, ``dot(g, g)`` and ``sum(g)``, one pass each."""
     flat = grad.reshape(-1)
-    if flat.dtype not in _REDUCED_AS_IS:
-        flat = flat.float()
-    if not bins:
-        return (torch.dot(flat, flat), flat.sum())
+    return flat if flat.dtype in _REDUCED_AS_IS else flat.float()
+
+
+def _exact_full_summary(flat: torch.Tensor, bins: int) -> torch.Tensor:
+    """The `_FULL_SCALARS` and a histogram of every finite value, on the device."""
     finite = torch.isfinite(flat)
     # histc refuses a non-finite range, so non-finite values are counted, then left out.
     clean = torch.where(finite, flat, 0.0)
@@ -687,28 +764,92 @@ def _gradient_summary(grad: torch.Tensor, bins: int) -> tuple[torch.Tensor, ...]
     scalars = torch.stack((
         finite.logical_not().sum(), (flat == 0).sum(), magnitudes.sum(), magnitudes.amax(), low, high,
     )).double()  # fmt: skip
-    return (torch.dot(flat, flat), flat.sum(), torch.cat((scalars, torch.histc(clean, bins).double())))
+    return torch.cat((scalars, torch.histc(clean, bins).double()))
+
+
+# A float32 sum of ones is exact up to 2**24; past that the count is summed in float64 (slower).
+_EXACT_FLOAT_COUNT = 2**24
+
+
+def _fast_full_scalars(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The `_FULL_SCALARS`, exact, for a gradient assumed finite: step close checks that from the
+    sum of squares and takes a non-finite one again (`_nonfinite_full_summary`). Three passes: min
+    and max together (max |g| is max(-min, max)), |g| into ``scratch`` (summed), and its signs
+    (summed: the non-zero count)."""
+    low, high = torch.aminmax(flat)
+    magnitudes = torch.abs(flat, out=scratch)
+    abs_total = magnitudes.sum()
+    wide = torch.float64 if flat.numel() > _EXACT_FLOAT_COUNT else None
+    nonzero = magnitudes.sign_().sum(dtype=wide)
+    return torch.stack(
+        # max(-min, max) >= 0 always; abs() turns the -0.0 of an all-zero gradient into 0.0
+        (low.new_zeros(()), flat.numel() - nonzero, abs_total, torch.maximum(-low, high).abs(), low, high)
+    ).double()
+
+
+def _nonfinite_full_summary(flat: torch.Tensor, positions: torch.Tensor | None, bins: int) -> torch.Tensor:
+    """`_exact_full_summary`'s numbers, with the histogram of the finite values at ``positions``."""
+    finite = torch.isfinite(flat)
+    clean = torch.where(finite, flat, 0.0)
+    low, high = torch.aminmax(clean)
+    magnitudes = flat.abs()
+    scalars = torch.stack((
+        finite.logical_not().sum(), (flat == 0).sum(), magnitudes.sum(), magnitudes.amax(), low, high,
+    )).double()  # fmt: skip
+    if positions is not None:
+        clean, finite = clean.take(positions), finite.take(positions)
+    counts = _binned([clean], scalars[4:5], scalars[5:6], bins, keep=finite)
+    return torch.cat((scalars, counts.reshape(-1)))
+
+
+def _binned(
+    samples: list[torch.Tensor], lows: torch.Tensor, highs: torch.Tensor, bins: int,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """torch.histc's counts of each sample over its [low, high] (device tensors, so nothing is read
+    back), all samples in one bincount: histc's bin arithmetic, the top edge in the last bin, an
+    empty range widened by 1 each side; values where ``keep`` is False are not counted. Returns
+    one row of ``bins`` counts per sample."""
+    empty = highs <= lows
+    lows, highs = torch.where(empty, lows - 1, lows), torch.where(empty, highs + 1, highs)
+    lengths = torch.tensor([sample.numel() for sample in samples], device=lows.device)
+    row = torch.repeat_interleave(torch.arange(len(samples), device=lows.device), lengths)
+    values = torch.cat(samples).double()
+    position = ((values - lows[row]) * bins / (highs[row] - lows[row])).long().clamp_(0, bins - 1)
+    position += row * bins
+    if keep is not None:
+        position = torch.where(keep, position, len(samples) * bins)  # past the end, then dropped
+    # bincount without weights: deterministic on CUDA too (histc is not)
+    counts = torch.bincount(position, minlength=len(samples) * bins + 1)[: len(samples) * bins]
+    return counts.reshape(len(samples), bins).double()
 
 
 def _step_tensors(
-    summaries: list[tuple[torch.Tensor, ...]], activations: list[list], update: torch.Tensor | None
+    summaries: list[tuple[torch.Tensor, ...]], activations: list[list], update: torch.Tensor | None,
+    bins: int,
 ) -> list[torch.Tensor]:
     """The step's device tensors in reading order: every (sum of squares, sum) pair, stacked once
-    rather than once per hook call; full statistics; activation sums; update norms."""
+    rather than once per hook call; full statistics (the sampled histograms binned all at once);
+    activation sums; update norms."""
     tensors = [torch.stack([t for s in summaries for t in s[:2]])] if summaries else []
     tensors += [s[2] for s in summaries if len(s) == 3]
+    sampled = [s for s in summaries if len(s) == 4]
+    if sampled:
+        scalars = torch.stack([s[2] for s in sampled])
+        counts = _binned([s[3] for s in sampled], scalars[:, 4], scalars[:, 5], bins)
+        tensors.append(torch.cat((scalars, counts), dim=1).reshape(-1))
     tensors += [torch.cat((sums, alive.sum().reshape(1))) for _, _, sums, alive in activations]
     if update is not None:
         tensors.append(update)
     return tensors
 
 
-def _read_full_stats(values: Iterator[float], numel: int, bins: int) -> _FullStats:
+def _read_full_stats(values: Iterator[float], numel: int, bins: int, sample: int) -> _FullStats:
     nonfinite, zeros, abs_total, max_abs, low, high = (next(values) for _ in range(_FULL_SCALARS))
     counts = [round(next(values)) for _ in range(bins)]
     if low == high:  # torch.histc widens an empty range by 1 each side
         low, high = low - 1.0, high + 1.0
-    return _FullStats(max_abs, abs_total / numel, zeros / numel, int(nonfinite), counts, low, high)
+    return _FullStats(max_abs, abs_total / numel, zeros / numel, int(nonfinite), counts, low, high, sample)
 
 
 def _count_nonfinite(grad: torch.Tensor) -> int:
@@ -736,8 +877,9 @@ def _activation_summary(
     flat = values.reshape(-1)
     sums = torch.stack((flat.sum(), torch.dot(flat, flat), saturated.to(flat.dtype)))
     if isinstance(module, nn.ReLU) and values.dim() >= 2:
-        units = values.movedim(unit_dim, 0)
-        alive = units.reshape(units.shape[0], -1).gt(0).any(dim=1)
+        # a unit fired when its largest output is > 0: one reduction, no transposed copy
+        others = [d for d in range(values.dim()) if d != unit_dim % values.dim()]
+        alive = values.amax(dim=others).gt(0)
     else:
         alive = values.new_ones(1, dtype=torch.bool)
     return sums, alive

@@ -75,7 +75,9 @@ def plot_grad_histograms(
     source: GradTracer | list[dict], step: int | None = None, params: Iterable[str] | None = None
 ) -> Any:
     """Histograms of gradient values at one full-statistics step (the latest by default), one
-    panel per parameter, log counts. Taught in ``08_gradient_health``. Returns the figure."""
+    panel per parameter, log counts; a panel whose counts come from a sample says so in its title
+    ("sampled: 16,384 of 1.2 M values", see ``GradTracer``'s ``histogram_sample``). Taught in
+    ``08_gradient_health``. Returns the figure."""
     records = [r for r in _selected(_records(source), params) if r["hist_counts"] is not None]
     if not records:
         raise LabkitError(
@@ -97,7 +99,7 @@ def plot_grad_histograms(
         edges = [record["hist_lo"] + k * width for k in range(len(counts) + 1)]
         ax.stairs(counts, edges, fill=True)
         ax.set_yscale("log")
-        ax.set_title(record["param"], fontsize="small")
+        ax.set_title(f"{record['param']}{_sample_note(record)}", fontsize="small")
         # Gradient values are tiny and span a narrow range: plain tick labels run into each other
         # ("-0.0001000005"); three ticks with a shared power of ten read cleanly.
         ax.xaxis.set_major_locator(MaxNLocator(3))
@@ -106,6 +108,17 @@ def plot_grad_histograms(
         ax.set_visible(False)
     fig.suptitle(f"gradient values, step {chosen}")
     return fig
+
+
+def _sample_note(record: dict) -> str:
+    sample, numel = record.get("hist_sample"), record["numel"]
+    if sample is None or sample >= numel:
+        return ""
+    return f"\nsampled: {sample:,} of {_count_text(numel)} values"
+
+
+def _count_text(count: int) -> str:
+    return f"{count / 1e6:.1f} M" if count >= 1e6 else f"{count:,}"
 
 
 def _records(source: GradTracer | list[dict]) -> list[dict]:

@@ -189,20 +189,54 @@ def test_an_optimizer_instance_is_refused_with_a_short_message_naming_the_fix():
     assert "\n" not in str(error.value)
 
 
-# -- M10: a layer no formula covers is named, not counted as 0 ---------------------------------------
+# -- M10: a layer no module formula covers is explained op by op, and an op no formula covers is named -----
+
+
+class SquareFunction(torch.autograd.Function):
+    """A custom op: its backward needs x, which it saves itself (no formula can know that)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class CustomOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 64)
+
+    def forward(self, x):
+        return SquareFunction.apply(self.fc(x)).tanh()
 
 
 @pytest.mark.trial("M10")
 def test_a_module_without_formula_is_not_counted_as_zero():
     assert memory.saved_bytes(NoFormula(), X) == 3 * 64 * 4 * 2  # exp's and tanh's outputs
-    with pytest.raises(LabkitError, match=r"no formula covers \(model\) \(NoFormula\).*saved_bytes"):
-        memory.analytic_activation_bytes(NoFormula(), X)
+    counted = memory.analytic_activation_bytes(NoFormula(), X)
+    assert counted == counted.formula_bytes == 3 * 64 * 4 * 2 and counted.unexplained == ()
     table = memory.activation_table(NoFormula(), X)
-    assert table.uncovered == ("(model) (NoFormula)",)
-    assert "not counted (no formula): (model) (NoFormula)" in str(table)
-    report = memory.analytic_memory(NoFormula(), X).report()
-    assert any("no formula covers (model) (NoFormula)" in note for note in report.notes)
-    assert "not counted" in report["activations"].source
+    assert [line.layer for line in table.lines] == ["NoFormula (ops)"]
+    assert "exp 3×64 float32" in table.lines[0].saves and "tanh 3×64 float32" in table.lines[0].saves
+
+
+@pytest.mark.trial("M10")
+def test_an_op_no_formula_covers_is_itemised_with_its_exact_bytes_and_named():
+    exact = memory.saved_bytes(CustomOp(), X)
+    counted = memory.analytic_activation_bytes(CustomOp(), X)
+    assert counted == exact == 2 * 3 * 64 * 4  # the custom op's saved input, tanh's output
+    assert (counted.formula_bytes, counted.unexplained_bytes) == (3 * 64 * 4, 3 * 64 * 4)
+    assert counted.unexplained == ("(model) (SquareFunctionBackward)",)
+    table = memory.activation_table(CustomOp(), X)
+    assert "unexplained (exact bytes, no formula): (model) (SquareFunctionBackward)" in str(table)
+    report = memory.analytic_memory(CustomOp(), X).report()
+    assert any("formula-backed 768 B of 1,536 B" in note for note in report.notes)
+    assert "768 B unexplained, saved by (model) (SquareFunctionBackward)" in report["activations"].source
 
 
 # -- M12, M22: peak_bytes_during's arguments ---------------------------------------------------------
@@ -403,13 +437,13 @@ def test_a_reading_of_something_that_is_not_a_number_is_refused(value):
 
 @pytest.mark.trial("extra")
 def test_refusals_midway_through_a_fake_or_real_step_leave_no_mode_filter_or_profiler_behind():
-    linear, model, no_formula, ints = nn.Linear(4, 2), mlp(), NoFormula(), torch.ones(3, 4, dtype=torch.long)
+    linear, model, ints = nn.Linear(4, 2), mlp(), torch.ones(3, 4, dtype=torch.long)
     failing_calls = [
         lambda: memory.estimate_step_peak(linear, ints),  # in the fake forward
         lambda: memory.estimate_step_peak(model, X, loss_fn=lambda out: out),  # after the fake forward
         lambda: memory.measure_step_peak(model, X, loss_fn=lambda out: out),  # after a real forward
         lambda: memory.estimate_step_peak(model, X, optimizer=lambda params: None),  # inside the fake mode
-        lambda: memory.analytic_activation_bytes(no_formula, X),  # after the trace
+        lambda: memory.analytic_activation_bytes(linear, ints),  # in the analytic trace
     ]
     for inference in (False, True):
         with torch.inference_mode(inference), torch.no_grad():
