@@ -31,12 +31,14 @@ def notebook_parameters(path: str | Path) -> dict[str, object]:
     source = "".join(parameters_cell(nb, str(path))["source"])
     params = {}
     for node in ast.parse(source).body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+        # `name = literal`, or `name: type = literal`
+        targets = [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else getattr(node, "targets", [])
+        if not (isinstance(node, (ast.Assign, ast.AnnAssign)) and len(targets) == 1 and isinstance(targets[0], ast.Name)):
             raise LabkitError(f"{path}: the parameters cell may hold only `name = literal` lines, found {ast.unparse(node)!r}")
         try:
-            params[node.targets[0].id] = ast.literal_eval(node.value)
+            params[targets[0].id] = ast.literal_eval(node.value)
         except ValueError as error:
-            raise LabkitError(f"{path}: parameter {node.targets[0].id} is not a literal: {error}") from error
+            raise LabkitError(f"{path}: parameter {targets[0].id} is not a literal: {error}") from error
     return params
 
 
