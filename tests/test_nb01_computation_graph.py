@@ -1,6 +1,8 @@
 """01_computation_graph under papermill with other parameters: a stray detach() cuts the first layer
 out of training with bug=True, and nothing is cut with bug=False. The verdicts that do not depend on
-the machine must come out the same with these smaller settings."""
+the machine must come out the same with these smaller settings, except A8's, which follows its
+measurement: at width 1 a weight's spectral norm is its only gain, so 2.5^depth is reached exactly
+and the claim holds; at width 16 Gaussian weights fall far short of it."""
 
 from pathlib import Path
 
@@ -12,19 +14,21 @@ SMALL = {"seed": 1, "hidden": 16, "steps": 6, "depth": 6, "width": 16, "timing_s
 # A2 needs a GPU and A4 is a timing, so their verdicts depend on the machine.
 MACHINE_INDEPENDENT = {
     "A1": "partly", "A1b": "does-not-hold", "A1c": "does-not-hold", "A3": "does-not-hold", "A5": "partly",
-    "A6": "partly", "A7": "partly", "A8": "partly", "A9": "partly", "A10": "does-not-hold",
+    "A6": "partly", "A7": "partly", "A9": "partly", "A10": "does-not-hold",
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_detached_block_is_unreachable_only_with_the_bug(tmp_path, bug):
     # The bug=False run also pools with kernel 2, stride 2, which tiles the 8x8 digits exactly.
-    pooling = {} if bug else {"pool_kernel": 2, "pool_stride": 2}
-    result = run_on_cpu(NOTEBOOK, tmp_path, dict(SMALL, bug=bug, **pooling))
+    # It also builds A8's stacks one unit wide.
+    other = {} if bug else {"pool_kernel": 2, "pool_stride": 2, "width": 1}
+    result = run_on_cpu(NOTEBOOK, tmp_path, dict(SMALL, bug=bug, **other))
     assert result.status == "ok", result.error
     verdicts = {record["id"]: record["verdict"] for record in result.claims}
     assert {case: verdicts[case] for case in MACHINE_INDEPENDENT} == MACHINE_INDEPENDENT
-    assert set(verdicts) == set(MACHINE_INDEPENDENT) | {"A2", "A4"}
+    assert verdicts["A8"] == ("partly" if bug else "holds")
+    assert set(verdicts) == set(MACHINE_INDEPENDENT) | {"A2", "A4", "A8"}
     uncovered = next(record["evidence"] for record in result.claims if record["id"] == "A3")
     assert f"{28 if bug else 0} of 64 pixels lie in no window" in uncovered
     if bug:

@@ -72,6 +72,7 @@ samples: int = 64  # regression samples, at least 1
 steps: int = 30  # SGD steps, at least 1
 lr: float = 0.05  # SGD learning rate, above 0
 bug: bool = True  # True runs the planted bug, False the fix
+clear_between: bool = False  # set w.grad to None between case Z1's two backward passes (its sum is then gone)
 
 # %%
 repro.check_parameters(globals())
@@ -99,7 +100,8 @@ dev = repro.setup(seed=seed, device=device)
 print(claims.case("Z1").claim)
 
 # %% [markdown]
-# **Reproduce.** One leaf tensor `w`, two different losses, two backward passes, and nothing in between.
+# **Reproduce.** One leaf tensor `w`, two different losses, two backward passes, and nothing in between
+# (`clear_between=True` sets `w.grad` to None there, as `zero_grad()` would).
 
 # %%
 # drawn by the CPU's generator, then moved: a GPU's generator would draw other numbers
@@ -107,6 +109,8 @@ w = torch.randn(features).to(dev).requires_grad_()
 x1, x2 = torch.randn(features).to(dev), torch.randn(features).to(dev)
 (w * x1).sum().backward()
 after_one = w.grad.clone()
+if clear_between:  # a parameter: what zero_grad() would do here
+    w.grad = None
 (w * x2).sum().backward()
 after_two = w.grad.clone()
 
@@ -148,8 +152,10 @@ claims.check(
     "Z1",
     verdict="holds" if holds else "does-not-hold",
     evidence=(
-        f"after two backward passes w.grad equals g1 + g2 exactly ({features} values, max |diff| "
-        f"{worst_sum_diff:.1g}) and differs from the second gradient alone by up to {worst_last_diff:.2f}"
+        f"after two backward passes{' with w.grad set to None between them' if clear_between else ''}, w.grad "
+        f"{'equals' if sum_report.all_exact else 'is not'} g1 + g2 exactly ({features} values, max |diff| "
+        f"{worst_sum_diff:.2g}) and {'differs from' if not last_only.all_close else 'matches'} the second "
+        f"gradient alone (max |diff| {worst_last_diff:.2g})"
     ),
 )
 

@@ -226,7 +226,7 @@ claims.check(
         else "does-not-hold"
     ),
     evidence=(
-        f"the graph holds {len(graph.nodes)} nodes (AddBackward0, MulBackward0, 2 AccumulateGrad) linked by "
+        f"the graph holds {len(graph.nodes)} nodes ({', '.join(sorted(n.name for n in graph.nodes))}) linked by "
         f"next_functions, and backward ran them output-first ({' -> '.join(order)}); but y already held "
         f"{value_before_backward} before backward (deferred: {deferred}), the links run one way only "
         f"(walking from x*w reaches {len(reached_from_product)} nodes, none of them its user: {one_way}), and "
@@ -906,7 +906,8 @@ claims.check(
         f"of the layers' tanh' RMS ({tanh_predicted:.3f}); those factors rose from {tanh_local[0]:.2f} to "
         f"{tanh_local[-1]:.2f}, so 0.9^{depth} = {tanh_product:.3f} overstates the decay. Spectral norm 2.5 gives "
         f"2.5^{depth} = {aligned_gain:.0f} only when every singular value is 2.5; Gaussian weights with the same "
-        f"spectral norm gave {gaussian_gain:.3g}: the spectral-norm product is an upper bound"
+        f"spectral norm gave {gaussian_gain:.3g} ({gaussian_gain / spectral_product:.2g} of 2.5^{depth}): the spectral-norm "
+        "product is an upper bound"
     ),
 )
 
@@ -942,6 +943,7 @@ points = torch.tensor([-1.0, 0.0, 4.0], dtype=torch.float64, requires_grad=True)
 guarded = torch.where(points > 0, torch.sqrt(points), torch.zeros_like(points))
 guarded.sum().backward()
 nan_grads = int(points.grad.isnan().sum())
+nan_points = points.detach()[points.grad.isnan()].tolist()
 print("value:   ", guarded.tolist())
 print("gradient:", points.grad.tolist())
 
@@ -967,10 +969,11 @@ claims.check(
     "A9",
     verdict="partly" if blocked and nan_grads else "holds" if blocked else "does-not-hold",
     evidence=(
-        "where sends each branch gradient only where it is selected (grads [1, 0, 1] and [0, 1, 0]), so it does "
-        f"cut flow to the unselected branch; but that branch still runs its backward, and where(x > 0, sqrt(x), 0) "
-        f"gave NaN gradient at {nan_grads} of 3 points (x = -1, 0) because 0 times an infinite or NaN local "
-        "derivative is NaN; clamping the branch's input first gives finite gradients"
+        f"where sent the branches the gradients {chosen.grad.tolist()} and {other.grad.tolist()} (each only where "
+        f"selected: {blocked}), so it cuts flow to the unselected branch; but that branch still runs its backward, "
+        f"and where(x > 0, sqrt(x), 0) gave NaN gradient at {nan_grads} of {points.numel()} points (x = "
+        f"{', '.join(f'{v:g}' for v in nan_points)}) because 0 times an "
+        "infinite or NaN local derivative is NaN; clamping the branch's input first gives finite gradients"
     ),
 )
 

@@ -659,8 +659,9 @@ claims.check(
     evidence=(
         f"for a plain float64 MLP in {micro_batches} equal micro-batches the accumulated gradient "
         f"{'equals' if plain_agrees else 'differs from'} the full-batch one (max |diff| "
-        f"{worst_difference(variants[plain_label])}); it differs "
-        + "; ".join(f"{label} (max |diff| {worst_difference(variants[label])})" for label in differing)
+        f"{worst_difference(variants[plain_label])})"
+        + ("; it differs " + "; ".join(f"{label} (max |diff| {worst_difference(variants[label])})" for label in differing)
+           if differing else "")
         + (f"; it agrees {', '.join(agreeing)}, where the CPU generator's dropout draws line up" if agreeing else "")
     ),
 )
@@ -873,14 +874,21 @@ plt.show()
 accumulated_ratio = noise[f"{micro_batches} x {micro} accumulated"] / baseline
 micro_ratio = noise[f"one micro-batch of {micro}"] / baseline
 log_ratio = log_spread["loss of the last micro-batch"] / log_spread[f"loss of the {batch} rows"]
+# The measurement can tell a small batch's noise from a large one's only when a micro-batch alone is
+# clearly noisier than the whole batch (not so with micro_batches=1).
+resolves = micro_ratio > 1.5
+amplifies = accumulated_ratio > 1.05
 claims.check(
     "B6",
-    verdict="does-not-hold" if abs(accumulated_ratio - 1) < 0.01 and micro_ratio > 2 else "holds",
+    verdict="untestable" if not resolves else ("holds" if amplifies else "does-not-hold"),
     evidence=(
         f"over {draws} random batches, accumulating {micro_batches} micro-batches of {micro} gives gradient noise "
-        f"{accumulated_ratio:.2f}x that of one batch of {batch} (the same gradient), while one micro-batch alone "
-        f"gives {micro_ratio:.2f}x (theory {predicted_micro:.2f}x): accumulation lowers noise to the large batch's. "
-        f"A curve that logs only the last micro-batch's loss is {log_ratio:.1f}x as noisy; the 8-GPU comparison "
+        f"{accumulated_ratio:.2f}x that of one batch of {batch}, while one micro-batch alone gives {micro_ratio:.2f}x "
+        f"(theory {predicted_micro:.2f}x): "
+        + ("a micro-batch this large is no noisier than the batch, so the measurement cannot tell them apart"
+           if not resolves else "accumulation is noisier than the large batch" if amplifies
+           else "accumulation brings the noise down to the large batch's")
+        + f". A curve that logs only the last micro-batch's loss is {log_ratio:.1f}x as noisy; the 8-GPU comparison "
         f"itself needs 8 GPUs and is untestable here"
     ),
 )
@@ -1045,9 +1053,10 @@ claims.check(
     "B8",
     verdict="does-not-hold" if plain_grad is None and retained_report.all_exact and leaf_report.all_exact else "holds",
     evidence=(
-        "backward zeroes nothing: a non-leaf tensor gets no .grad at all (None after backward, with a warning); "
-        f"with retain_grad its .grad accumulates like a leaf's (after 2 backward passes exactly 2x dL/dh, max |diff| "
-        f"{retained_report.rows[0].max_abs_diff:g}); the leaf weight's .grad after 3 passes is exactly 3 gradients"
+        f"a non-leaf tensor's .grad after backward is None (with a warning): {plain_grad is None}, so backward "
+        f"zeroes no buffer of it; with retain_grad its .grad accumulates like a leaf's (after 2 backward passes "
+        f"exactly 2x dL/dh: {retained_report.all_exact}, max |diff| {retained_report.rows[0].max_abs_diff:g}); the "
+        f"leaf weight's .grad after 3 passes is exactly the sum of 3 gradients: {leaf_report.all_exact}"
     ),
 )
 

@@ -74,6 +74,7 @@ batch: int = 64  # test images per forward pass, at least 1
 actor_steps: int = 60  # training steps of the actor (case N2), at least 1
 vit_steps: int = 40  # training steps of the small ViT (case N3), at least 1
 bug: bool = True  # True runs the planted bug, False the fix
+resize_once: bool = False  # N3: resize the 2x2 embedding once, under no_grad, into a new 4x4 Parameter (load time)
 
 # %%
 repro.check_parameters(globals())
@@ -332,7 +333,9 @@ print(claims.case("N3").claim)
 # **Reproduce.** A tiny vision transformer front end for digits: the 8 × 8 image becomes 16
 # patches of 2 × 2, each embedded by a linear layer, plus a learned position embedding stored on
 # a 2 × 2 grid (as if pretrained at a lower resolution) and resized to 4 × 4 by `F.interpolate`
-# in every forward pass. With `bug=True` the resize runs under `torch.no_grad()`.
+# in every forward pass. With `bug=True` the resize runs under `torch.no_grad()`. With
+# `resize_once=True` the no_grad resize happens once instead, when the model is built, into a new
+# 4 × 4 `nn.Parameter` that is then trained directly (how a checkpoint is usually adapted).
 
 # %%
 class PatchClassifier(nn.Module):
@@ -342,8 +345,15 @@ class PatchClassifier(nn.Module):
         self.patch = nn.Linear(4, dim)
         self.position = nn.Parameter(torch.randn(1, dim, 2, 2) * 0.5)
         self.head = nn.Linear(16 * dim, 10)
+        self.resized_once = interpolate_without_grad and resize_once
+        if self.resized_once:
+            with torch.no_grad():
+                self.position = nn.Parameter(F.interpolate(self.position, size=(4, 4), mode="bicubic",
+                                                           align_corners=False))
 
     def positions(self, grid):
+        if self.resized_once:
+            return self.position
         if self.interpolate_without_grad:
             with torch.no_grad():
                 return F.interpolate(self.position, size=grid, mode="bicubic", align_corners=False)
@@ -408,17 +418,18 @@ print(f"fixed: 'position' missing a gradient in {fixed_position_missing} of {vit
       f"largest change {fixed_moved:.3g}; gradient std {position_std[0]:.2g} -> {position_std[-1]:.2g}")
 
 # %%
-cut_missing = position_missing if bug else sum(
-    r["missing"] for r in train_patch_classifier(True, "interpolate under no_grad")[1].history()
-    if r["param"] == "position"
-)
+_, cut_tracer, cut_moved = (vit, vit_tracer, position_moved) if bug else train_patch_classifier(
+    True, "interpolate under no_grad")
+cut_missing = sum(r["missing"] for r in cut_tracer.history() if r["param"] == "position")
+where = "once, when the model was built," if resize_once else "in every forward"
 claims.check(
     "N3",
     verdict="holds" if cut_missing == vit_steps and fixed_position_missing == 0 else "does-not-hold",
     evidence=(
-        f"with F.interpolate under no_grad the position embedding had no gradient in {cut_missing} of {vit_steps} "
-        f"steps (GradTracer 'missing'; autograd_graph lists it unreachable) and never changed; interpolating "
-        f"with grad gave it a gradient in every step ({fixed_position_missing} missing) and it moved by {fixed_moved:.2g}"
+        f"with F.interpolate under no_grad {where} the position embedding had no gradient in {cut_missing} of "
+        f"{vit_steps} steps (GradTracer 'missing') and its largest change was {cut_moved:.2g}; interpolating with "
+        f"grad in every forward left it without a gradient in {fixed_position_missing} steps and it moved by "
+        f"{fixed_moved:.2g}"
     ),
 )
 

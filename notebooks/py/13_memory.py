@@ -1186,8 +1186,8 @@ for precision, result in resnet_memory.items():
 
 # %% [markdown]
 # The calculator adds the parts; the step peak is somewhat higher (K1: for the CNN it was the
-# ratio printed there), and cuDNN's convolution workspaces come on top, but nothing here is near
-# 80 GB. On a GPU the real ResNet-50 trains two steps at batch 96 and the CUDA allocator's
+# ratio printed there), and cuDNN's convolution workspaces come on top; the printed shares say how
+# near to 80 GB that is. On a GPU the real ResNet-50 trains two steps at batch 96 and the CUDA allocator's
 # peak, workspaces included, is read:
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true}
@@ -1211,8 +1211,8 @@ claims.check(
     evidence=(
         f"ResNet-50 ({sum(p.numel() for p in resnet.parameters()) / 1e6:.1f}M parameters) at batch {resnet_batch}, "
         f"224×224, AdamW: {int(resnet_memory['fp32']) / 1e9:.1f} GB in float32 ({fp32_share:.0%} of 80 GB) and "
-        f"{int(resnet_memory['amp_fp16']) / 1e9:.1f} GB with fp16 autocast, by labkit's calculator; even twice that "
-        "would leave most of an 80 GB A100 free"
+        f"{int(resnet_memory['amp_fp16']) / 1e9:.1f} GB with fp16 autocast, by labkit's calculator; twice the float32 "
+        f"figure would be {2 * fp32_share:.0%} of an 80 GB A100"
     ),
 )
 
