@@ -159,7 +159,7 @@ def _answer_raised(spec: Exercise, name: str, error: BaseException) -> Result:
 
 def check(exercise_id: str, answer: Callable) -> None:
     """Check ``answer``, show the verdict and remember it for `score` (taught in 00_start_here)."""
-    result = run_check(exercise_id, answer, try_number=_FAILED_TRIES.get(exercise_id, 0) + 1)
+    result = run_check(exercise_id, answer, try_number=_FAILED_TRIES.get(_lookup(exercise_id).id, 0) + 1)
     _remember(result)
     _show(result)
 
