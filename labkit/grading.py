@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.errors import LabkitError
-from labkit.exercises import Exercise, NotYet, exercise_order, registry
+from labkit.exercises import Exercise, Hint, NotYet, exercise_order, registry
 from labkit.messages import describe_error
 from labkit.notebooks import show_record, stored_records
 
@@ -66,12 +66,19 @@ WALL_LIMIT_FACTOR = 6
 # Long exception messages (torch's can run to paragraphs) are cut so the verdict stays one line.
 MAX_ERROR_CHARS = 160
 
-_NOT_ATTEMPTED = "{name} is not attempted yet (it still raises NotImplementedError)"
+_NOT_ATTEMPTED_MARK = "is not attempted yet"
+_NOT_ATTEMPTED = "{name} " + _NOT_ATTEMPTED_MARK + " (it still raises NotImplementedError)"
 _WHERE_TO_ANSWER = (
-    "replace the TODO lines in the cell marked '# exercise {id}' with your answer, run it, then run this check"
+    "in the cell marked '# exercise {id}', replace the lines '# YOUR CODE HERE' and 'raise NotImplementedError(...)' "
+    "with your answer, run that cell, then run this check"
 )
+# Said after every hint but the last, so the learner knows a second failed try tells more.
+_MORE_HINTS = " If your next try fails too, its hint says more."
 # The latest verdict per exercise in this kernel session; `score` reads it.
 _SESSION: dict[str, Result] = {}
+# How many attempts at each exercise failed in this kernel session (a stub's "not attempted" does
+# not count); `check` shows the hint for the next attempt, so hints grow more explicit.
+_FAILED_TRIES: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,7 @@ def known_exercises() -> list[str]:
     return list(registry())
 
 
-def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None = None) -> Result:
+def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None = None, try_number: int = 1) -> Result:
     """Check ``answer`` for ``exercise_id`` and return the verdict without printing or recording it.
 
     Taught in 00_start_here. Raises `LabkitError` only for an unknown ID; a wrong, unfinished,
@@ -97,9 +104,12 @@ def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None 
     friendly message. The check runs under a time limit (``time_limit_s``, default
     `CHECK_TIME_LIMIT_S`) and leaves the notebook's global state as it found it (see
     `_isolated_check`). Ctrl-C (the notebook's stop button) is not a verdict: it stops the check,
-    says so, and propagates, so "Run all" stops as the learner asked.
+    says so, and propagates, so "Run all" stops as the learner asked. Hints are progressive:
+    ``try_number`` (1 for a first try) picks how explicit the hint of a failure is (`hint_for`).
     """
     spec = _lookup(exercise_id)
+    if not (isinstance(try_number, int) and not isinstance(try_number, bool) and try_number >= 1):
+        raise LabkitError(f"try_number must be a whole number from 1 (a first try), got {try_number!r}")
     if not callable(answer):
         return _not_yet(
             spec,
@@ -115,7 +125,7 @@ def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None 
         with _isolated_check(spec, attempt, limit):
             praise = spec.check(attempt.call)
     except NotYet as verdict:
-        return _not_yet(spec, verdict.problem, verdict.hint)
+        return _not_yet(spec, verdict.problem, verdict.hint, try_number)
     except _AnswerRaised as raised:
         return _answer_raised(spec, name, raised.error)
     except _CheckTimedOut as stopped:
@@ -154,11 +164,18 @@ def check(exercise_id: str, answer: Callable) -> None:
     raises `AssertionError` with the verdict, since nbgrader scores a test cell by whether it
     raises; in a learner's own kernel the verdict line is all there is.
     """
-    result = run_check(exercise_id, answer)
-    _SESSION[result.exercise] = result
+    result = run_check(exercise_id, answer, try_number=_FAILED_TRIES.get(_lookup(exercise_id).id, 0) + 1)
+    _remember(result)
     _show(result)
     if not result.passed and os.environ.get(NBGRADER_EXECUTION):
         raise AssertionError(result.message)
+
+
+def _remember(result: Result) -> None:
+    """Keep the verdict for `score`, and count a failed try (not a stub) for the next hint."""
+    _SESSION[result.exercise] = result
+    if not result.passed and _NOT_ATTEMPTED_MARK not in result.message:
+        _FAILED_TRIES[result.exercise] = _FAILED_TRIES.get(result.exercise, 0) + 1
 
 
 def score() -> None:
@@ -509,9 +526,21 @@ def _watchdog(deadline: _Deadline) -> Iterator[None]:
         watchdog.join()
 
 
-def _not_yet(spec: Exercise, problem: str, hint: str | None = None) -> Result:
-    message = f"✗ Exercise {spec.id} not yet: {_clause(problem)}. Hint: {_sentence(hint or spec.hint)}"
+def _not_yet(spec: Exercise, problem: str, hint: Hint | None = None, try_number: int = 1) -> Result:
+    shown, more = hint_for(hint or spec.hint, try_number)
+    message = f"✗ Exercise {spec.id} not yet: {_clause(problem)}. Hint: {_sentence(shown)}{more}"
     return Result(spec.id, spec.notebook, False, message)
+
+
+def hint_for(hint: Hint, try_number: int) -> tuple[str, str]:
+    """The hint to show on the ``try_number``-th failed try, and the note that a more explicit one follows.
+
+    A hint is one sentence, or a tuple of sentences from a nudge (the first try: what to look at)
+    to the recipe (the last), so a first failure never hands over the whole answer.
+    """
+    steps = (hint,) if isinstance(hint, str) else tuple(hint)
+    shown = steps[min(try_number, len(steps)) - 1]
+    return shown, (_MORE_HINTS if try_number < len(steps) else "")
 
 
 def _clause(text: str) -> str:
@@ -519,7 +548,8 @@ def _clause(text: str) -> str:
 
 
 def _sentence(text: str) -> str:
-    return _clause(text) + "."
+    clause = _clause(text)
+    return clause if clause.endswith(("?", "!")) else clause + "."
 
 
 def _show(result: Result) -> None:

@@ -1,7 +1,9 @@
-"""Every exercise, three ways: the solution passes its check, the student stub fails it as "not
-attempted yet", and the planted bug fails it for the reason registered as `planted=`. A check that
-passes on its planted bug, or rejects it only because the check or the cell crashed, fails here;
-so does a check that passes trivial answers.
+"""Every exercise, five ways: the solution passes its check, the student stub fails it as "not
+attempted yet", the planted bug fails it for the reason registered as `planted=`, another correct
+answer written differently passes, and an answer that dodges the lesson fails with the diagnosis
+tests/exercise_variants.py gives it. A check that passes on its planted bug or its dodge, or rejects
+one only because the check or the cell crashed, fails here; so does a check that passes trivial
+answers, and a hint that does not grow more explicit from a first failed try to a later one.
 
 Exercises are discovered in notebooks/NN_*.ipynb.
 Each cell runs alone in a fresh copy of `grading.EXERCISE_NAMESPACE`, as AUTHORING.md promises.
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from exercise_variants import VARIANTS
 
 from labkit import exercises, grading, student
 from labkit.errors import LabkitError
@@ -76,7 +79,9 @@ def test_student_stub_fails_with_the_not_attempted_message(cells):
     result = grading.run_check(cells.exercise, define(stubbed, cells.function))
     assert not result.passed
     assert result.message.startswith(f"✗ Exercise {cells.exercise} not yet: {cells.function} is not attempted yet")
-    assert f"Hint: replace the TODO lines in the cell marked '# exercise {cells.exercise}'" in result.message
+    assert f"Hint: in the cell marked '# exercise {cells.exercise}', replace the lines '# YOUR CODE HERE'" in result.message
+    # The hint names the stub's own lines, as student.py writes them.
+    assert all(line.split("(")[0] in result.message for line in student.STUB)
     assert "\n" not in result.message and "Traceback" not in result.message
 
 
@@ -111,6 +116,39 @@ def test_planted_bug_fails_its_check_with_its_registered_diagnosis(cells):
     assert "not attempted" not in problem
     assert grading_crash(cells.function, problem) is None, result.message
     assert grading.run_check(cells.exercise, answer) == result
+
+
+def test_every_exercise_has_an_alternative_answer_and_a_dodge():
+    assert set(VARIANTS) == {case.values[0].exercise for case in CASES}
+
+
+@pytest.mark.parametrize("cells", CASES)
+def test_another_correct_answer_written_differently_passes(cells):
+    result = grading.run_check(cells.exercise, define(VARIANTS[cells.exercise].alternative, cells.function))
+    assert result.passed, result.message
+
+
+@pytest.mark.parametrize("cells", CASES)
+def test_an_answer_that_dodges_the_lesson_fails_with_its_diagnosis(cells):
+    variant = VARIANTS[cells.exercise]
+    result = grading.run_check(cells.exercise, define(variant.dodge, cells.function))
+    problem = problem_of(result.message)
+    assert not result.passed, f"the check for {cells.exercise} passes an answer that dodges the lesson"
+    assert variant.dodge_says in problem, f"expected the diagnosis to say {variant.dodge_says!r}: {result.message}"
+    assert grading_crash(cells.function, problem) is None, result.message
+
+
+def hint_of(message: str) -> str:
+    return message.split(". Hint: ", 1)[1]
+
+
+@pytest.mark.parametrize("cells", CASES)
+def test_hints_grow_more_explicit_from_the_first_failed_try(cells):
+    answer = define(cells.planted_bug, cells.function)
+    first, later = (grading.run_check(cells.exercise, answer, try_number=n) for n in (1, 10))
+    assert problem_of(first.message) == problem_of(later.message)
+    assert hint_of(first.message) != hint_of(later.message), "the first failure already gets the last hint"
+    assert "next try" in hint_of(first.message) and "next try" not in hint_of(later.message)
 
 
 def test_the_crash_detector_recognises_both_crash_messages():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit import grading
+from labkit import exercises, grading
 from labkit.__main__ import main as labkit_main
 from labkit.errors import LabkitError
 
@@ -27,13 +27,66 @@ def correct_step(model, optimizer, x, y):
 
 
 def per_call_grads(w, inputs):
-    return [torch.autograd.grad((w * x).sum(), w)[0] for x in inputs]
+    return [torch.autograd.grad(torch.tanh(w * x).sum(), w)[0] for x in inputs]
+
+
+def step_without_zero_grad(model, optimizer, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def unattempted_step(model, optimizer, x, y):
+    raise NotImplementedError("Exercise 00.1: replace this line with your answer")
 
 
 @pytest.fixture
 def fresh_session(monkeypatch):
     """A kernel session with no checks run yet."""
     monkeypatch.setattr(grading, "_SESSION", {})
+    monkeypatch.setattr(grading, "_FAILED_TRIES", {})
+
+
+def hint_in(message: str) -> str:
+    return message.split(". Hint: ", 1)[1]
+
+
+def test_hints_go_from_a_nudge_to_the_recipe_one_failed_try_at_a_time(fresh_session, capsys):
+    steps = exercises.registry()["00.1"].hint
+    assert len(steps) >= 2
+    shown = []
+    for _ in range(len(steps) + 1):
+        grading.check("00.1", step_without_zero_grad)
+        shown.append(hint_in(capsys.readouterr().out.strip()))
+    for hint, step in zip(shown, [*steps, steps[-1]]):
+        assert hint.startswith(step)
+    # every hint but the last says that a more explicit one follows
+    assert ["next try" in hint for hint in shown] == [True] * (len(steps) - 1) + [False, False]
+
+
+def test_a_stub_or_a_pass_does_not_use_up_a_hint(fresh_session, capsys):
+    grading.check("00.1", unattempted_step)
+    grading.check("00.1", correct_step)
+    grading.check("00.1", step_without_zero_grad)
+    first_failure = capsys.readouterr().out.strip().splitlines()[-1]
+    assert hint_in(first_failure).startswith(exercises.registry()["00.1"].hint[0])
+
+
+def test_run_check_refuses_a_try_number_below_one():
+    with pytest.raises(LabkitError, match="try_number must be a whole number from 1"):
+        grading.run_check("00.1", correct_step, try_number=0)
+
+
+def test_hint_for_picks_the_step_and_keeps_the_last_one():
+    assert grading.hint_for("only one", 5) == ("only one", "")
+    assert grading.hint_for(("nudge", "recipe"), 1) == ("nudge", grading._MORE_HINTS)
+    assert grading.hint_for(("nudge", "recipe"), 3) == ("recipe", "")
+
+
+def test_a_hint_that_is_not_a_sentence_or_a_tuple_of_them_is_refused():
+    with pytest.raises(LabkitError, match="needs hint= as a sentence or a non-empty tuple"):
+        exercises.exercise("00.9", notebook="00_start_here", title="t", hint=(), planted="p")
 
 
 def test_unknown_exercise_is_a_labkit_error_listing_the_known_ones():

@@ -272,7 +272,7 @@ def test_the_leak_detector_catches_an_unstubbed_notebook():
     original = nbformat.read(path, 4)
     secrets = secret_lines(original, path.name)
     # Every line unique to a solution, such as the autograd.grad call the planted bug of 00.2 lacks.
-    assert "(gradient,) = torch.autograd.grad((w * x).sum(), w)" in secrets
+    assert "(gradient,) = torch.autograd.grad(torch.tanh(w * x).sum(), w)" in secrets
     assert leaked_lines(original, original, path.name) == secrets
 
 

@@ -11,14 +11,22 @@ keeping the score is `labkit.grading`'s job. notebooks/AUTHORING.md ("Exercises"
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 from labkit.errors import LabkitError
 
 __all__ = ["NotYet", "exercise"]
+
+# A hint: one sentence, or a tuple of sentences shown one per failed try, from a nudge that names
+# what to look at to the explicit recipe (labkit.grading.hint_for picks one).
+Hint = str | tuple[str, ...]
 
 EXERCISE_ID = re.compile(r"^(\d{2})\.(\d+)$")
 NOTEBOOK_NAME = re.compile(r"^(\d{2})_\w+$")
@@ -30,10 +38,10 @@ class NotYet(Exception):
     """Raised by a check when the learner's answer is still wrong.
 
     ``problem`` says what is wrong, in the learner's terms; ``hint`` replaces the exercise's default
-    hint when this failure needs a more specific one.
+    hint when this failure needs a more specific one (a tuple: progressive, see `Hint`).
     """
 
-    def __init__(self, problem: str, hint: str | None = None) -> None:
+    def __init__(self, problem: str, hint: Hint | None = None) -> None:
         super().__init__(problem)
         self.problem = problem
         self.hint = hint
@@ -47,7 +55,7 @@ class Exercise:
     id: str
     notebook: str
     title: str
-    hint: str
+    hint: Hint
     planted: str
     check: Callable[[Callable], str]
 
@@ -55,16 +63,18 @@ class Exercise:
 _REGISTRY: dict[str, Exercise] = {}
 
 
-def exercise(exercise_id: str, *, notebook: str, title: str, hint: str, planted: str) -> Callable:
+def exercise(exercise_id: str, *, notebook: str, title: str, hint: Hint, planted: str) -> Callable:
     """Register the decorated function as the check for ``exercise_id``.
 
     The ID is ``NN.K`` where ``NN`` is the notebook's number: ``00.1`` is the first exercise of notebook 00.
     ``planted`` is a phrase the check's diagnosis of the notebook's planted bug must contain:
     tests/test_exercises.py runs the planted-bug cell and fails unless the check rejects it for
-    that reason, not because something crashed.
+    that reason, not because something crashed. ``hint`` is one sentence or, better, a tuple of
+    them from a nudge to the recipe: the n-th failed try in a session shows the n-th (see `Hint`).
     """
 
     _validate_id(exercise_id, notebook)
+    _validate_hint(exercise_id, hint)
     if not planted.strip():
         raise LabkitError(
             f"exercise {exercise_id} needs planted=: a phrase from its check's diagnosis of the planted bug"
@@ -82,6 +92,14 @@ def exercise(exercise_id: str, *, notebook: str, title: str, hint: str, planted:
         return check
 
     return register
+
+
+def _validate_hint(exercise_id: str, hint: Hint) -> None:
+    steps = (hint,) if isinstance(hint, str) else hint
+    if not (isinstance(steps, tuple) and steps and all(isinstance(step, str) and step.strip() for step in steps)):
+        raise LabkitError(
+            f"exercise {exercise_id} needs hint= as a sentence or a non-empty tuple of sentences, got {hint!r}"
+        )
 
 
 def _validate_id(exercise_id: str, notebook: str) -> None:
@@ -119,3 +137,35 @@ def torch_error_clause(error: RuntimeError) -> str:
     tensor types and versions) names the failure; checks quote it and never branch on it.
     """
     return str(error).split(":")[0].strip()
+
+
+def by_how_much(difference: float) -> str:
+    """``"by 0.022"``, or, when the difference is NaN or infinite, that the learner's values became so.
+
+    "differs by nan" tells a learner nothing; a NaN difference means their own result holds NaN
+    (or inf) where the reference is finite, usually from a 0/0, a log(0) or an overflow.
+    """
+    if math.isfinite(difference):
+        return f"by {difference:.2g}"
+    return "by NaN or inf (your values became NaN or infinite where the reference is finite: look for a 0 / 0)"
+
+
+class TorchCalls(TorchFunctionMode):
+    """Watches the torch functions an answer calls: which ones, and whether any built an autograd graph.
+
+    A check uses it to catch an answer that dodges the lesson while getting the numbers right
+    (03.1: calling F.layer_norm instead of writing the normalisation; 03.2: differentiating with
+    autograd inside a custom backward instead of deriving it).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.functions: set = set()
+        self.built_graph = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        self.functions.add(func)
+        if isinstance(result, torch.Tensor) and result.requires_grad:
+            self.built_graph = True
+        return result

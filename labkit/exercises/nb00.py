@@ -1,8 +1,8 @@
 """Checks for the exercises of 00_start_here, on claim Z1: `.grad` adds up across backward passes.
 
 00.1 asks for one correct SGD step (the planted bug forgets `optimizer.zero_grad()`); 00.2 asks for
-one gradient per call from a single leaf tensor (the planted bug keeps `w.grad` itself, which every
-later backward pass adds into). Both fixtures start with a gradient already left in `.grad`, as
+one gradient of tanh(w * x).sum() per call from a single leaf tensor (the planted bug keeps `w.grad`
+itself, which every later backward pass adds into). Both fixtures start with a gradient already left in `.grad`, as
 after an earlier inspection, because that is when the bug bites.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -31,7 +31,11 @@ TOLERANCE = 1e-6
     "00.1",
     notebook=NOTEBOOK,
     title="one correct SGD step",
-    hint="call optimizer.zero_grad() before loss.backward(), so each step uses only this batch's gradient",
+    hint=(
+        "the check left an old gradient in .grad before your first step: what does loss.backward() do with what .grad already holds?",
+        "backward adds into .grad (claim Z1); something has to empty .grad before each backward pass",
+        "call optimizer.zero_grad() before loss.backward(), so each step uses only this batch's gradient",
+    ),
     planted="moved as if .grad still held the gradients of earlier backward passes",
 )
 def check_one_training_step(one_training_step: Callable) -> str:
@@ -127,7 +131,7 @@ def _require_step(
             "backward passes (.grad adds every backward pass to what it holds: claim Z1)"
         )
     raise NotYet(
-        f"after step {step} the parameters differ by {_max_difference(params, clean):.2g} from one SGD step "
+        f"after step {step} the parameters differ {by_how_much(_max_difference(params, clean))} from one SGD step "
         f"on F.mse_loss(model(x), y) with the optimizer you were given"
     )
 
@@ -141,16 +145,24 @@ def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> fl
     notebook=NOTEBOOK,
     title="one gradient per call",
     hint=(
-        "each backward pass adds into w.grad (claim Z1), so clear it before each one (w.grad = None) and keep "
-        "a copy, or use torch.autograd.grad, which leaves .grad alone"
+        "w.grad is one tensor: what happens to it at the second backward pass, and what did you put in your list?",
+        "each backward pass adds into w.grad, so either clear it and keep a copy per call, or ask autograd for a fresh gradient that never touches .grad",
+        (
+            "each backward pass adds into w.grad (claim Z1), so clear it before each one (w.grad = None) and keep "
+            "a copy, or use torch.autograd.grad, which leaves .grad alone"
+        ),
     ),
     planted="holds the same tensor more than once",
 )
 def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
-    """Each returned gradient must be that of `(w * x).sum()` for its own x alone."""
+    """Each returned gradient must be that of `torch.tanh(w * x).sum()` for its own x alone.
+
+    The loss is not linear in w, so its gradient is not x itself: copying the inputs, which passes
+    for the linear (w * x).sum(), is caught by name.
+    """
     w, inputs = _per_call_fixture()
     w_before = w.detach().clone()
-    expected = [torch.autograd.grad((w * x).sum(), w)[0] for x in inputs]
+    expected = [torch.autograd.grad(_per_call_loss(w, x), w)[0] for x in inputs]
     grads = grad_of_each_call(w, inputs)
     _require_tensor_list(grads, len(inputs))
     if not torch.equal(w.detach(), w_before):
@@ -160,11 +172,16 @@ def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
             "your list holds the same tensor more than once: w.grad is one tensor that each backward pass adds into"
         )
     for index, (got, want) in enumerate(zip(grads, expected)):
-        _require_gradient(got, want, index)
+        _require_gradient(got, want, inputs[index], index)
     return (
         f"each of the {len(inputs)} gradients matches torch.autograd.grad for its own call, "
         "even with an old gradient in w.grad"
     )
+
+
+def _per_call_loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The loss of one call in exercise 00.2."""
+    return torch.tanh(w * x).sum()
 
 
 def _per_call_fixture() -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -185,11 +202,18 @@ def _require_tensor_list(grads: object, count: int) -> None:
             raise NotYet(f"entry {index} of your list is a {type(grad).__name__}, not a tensor")
 
 
-def _require_gradient(got: torch.Tensor, want: torch.Tensor, index: int) -> None:
+def _require_gradient(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, index: int) -> None:
     if got.shape != want.shape:
         raise NotYet(f"gradient {index} has shape {tuple(got.shape)}, but w has shape {tuple(want.shape)}")
+    if torch.equal(got.detach(), x):
+        raise NotYet(
+            f"gradient {index} is inputs[{index}] itself, the gradient of the linear (w * x).sum(), "
+            "not of torch.tanh(w * x).sum()",
+            hint="do not derive it by hand: let autograd differentiate torch.tanh(w * x).sum() with respect to w",
+        )
     difference = (got.detach() - want).abs().max().item()
     if not difference <= TOLERANCE:
         raise NotYet(
-            f"gradient {index} differs by {difference:.2g} from the gradient of (w * inputs[{index}]).sum() alone"
+            f"gradient {index} differs {by_how_much(difference)} from the gradient of "
+            f"torch.tanh(w * inputs[{index}]).sum() alone"
         )

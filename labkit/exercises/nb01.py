@@ -34,8 +34,12 @@ TOLERANCE = 1e-12
     notebook=NOTEBOOK,
     title="an entropy term with a finite gradient",
     hint=(
-        "torch.where sends 0 to the unselected branch, but that branch's own backward still multiplies it "
-        "by log(0) = -inf; feed the log a safe value where p == 0 (torch.where(p > 0, p, 1)) and select again"
+        "look at the gradient where p == 0: which branch of torch.where still gets differentiated there?",
+        "torch.where passes a zero gradient to the unselected branch, but 0 * (the derivative of log at 0) is 0 * inf = NaN; the log must never see a 0",
+        (
+            "torch.where sends 0 to the unselected branch, but that branch's own backward still multiplies it "
+            "by log(0) = -inf; feed the log a safe value where p == 0 (torch.where(p > 0, p, 1)) and select again"
+        ),
     ),
     planted="the gradient is not finite",
 )
@@ -117,8 +121,12 @@ class _FrozenAndUnused(nn.Module):
     notebook=NOTEBOOK,
     title="find the parameters a loss cannot reach",
     hint=(
-        "the graph is a DAG, not a list: visit every (node, index) pair in node.next_functions, skip None, "
-        "remember the nodes you have seen, and collect node.variable from the AccumulateGrad nodes"
+        "a node can have several inputs: how many entries does node.next_functions hold, and does your walk visit them all?",
+        "the graph is a DAG: keep a list of nodes still to visit and a set of nodes already seen",
+        (
+            "the graph is a DAG, not a list: visit every (node, index) pair in node.next_functions, skip None, "
+            "remember the nodes you have seen, and collect node.variable from the AccumulateGrad nodes"
+        ),
     ),
     planted="but the unreachable parameters are",
 )
@@ -131,10 +139,12 @@ def check_unreachable_parameters(unreachable_parameters: Callable) -> str:
         if output.dim() > 0:
             output = F.mse_loss(output, torch.zeros_like(output))
         expected = list(autograd_graph(output, model).unreachable_params)
+        backward_ran = []  # the hook fires when any backward pass (backward or autograd.grad) reaches the output
+        output.register_hook(lambda grad: backward_ran.append(True))
         got = unreachable_parameters(output, model)
         name = type(model).__name__.lstrip("_")
-        if any(p.grad is not None for p in model.parameters()):
-            raise NotYet(f"on the {name} model your function ran backward (a .grad appeared)",
+        if backward_ran or any(p.grad is not None for p in model.parameters()):
+            raise NotYet(f"on the {name} model your function ran backward (autograd computed gradients)",
                          hint="walk output.grad_fn and next_functions; never call backward")  # fmt: skip
         if not isinstance(got, list) or not all(isinstance(item, str) for item in got):
             raise NotYet(f"return a list of parameter names (str), not {type(got).__name__}")
@@ -150,7 +160,11 @@ def check_unreachable_parameters(unreachable_parameters: Callable) -> str:
     "01.3",
     notebook=NOTEBOOK,
     title="a copy you can safely edit",
-    hint="detach() shares storage and the version counter with the original; copy the values too (detach().clone())",
+    hint=(
+        "after your copy is zeroed in place, look at t: do the two tensors share memory?",
+        "detach() only cuts the graph; the storage and the version counter are still t's",
+        "detach() shares storage and the version counter with the original; copy the values too (detach().clone())",
+    ),
     planted="zeroing the copy in place changed the original: they share storage",
 )
 def check_editable_copy(editable_copy: Callable) -> str:

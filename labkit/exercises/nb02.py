@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -41,8 +41,12 @@ IN_FEATURES, HIDDEN, CLASSES = 6, 5, 3
     notebook=NOTEBOOK,
     title="clip the gradient you are about to use",
     hint=(
-        "the order is optimizer.zero_grad(), loss.backward(), clip_grad_norm_, optimizer.step(): after "
-        "zero_grad() there is no gradient left to clip (claim B7)"
+        "print the norm your function measures: what does .grad hold at the moment you clip?",
+        "zero_grad() empties .grad, so it must come before backward, never between backward and the clip",
+        (
+            "the order is optimizer.zero_grad(), loss.backward(), clip_grad_norm_, optimizer.step(): after "
+            "zero_grad() there is no gradient left to clip (claim B7)"
+        ),
     ),
     planted="clip_grad_norm_ ran when .grad held no gradient",
 )
@@ -140,7 +144,7 @@ def _require_clipped_update(
             hint="clip between loss.backward() and optimizer.step(): clipping after the step changes nothing",
         )
     raise NotYet(
-        f"after step {step} the weights differ by {_max_difference(after, clipped):.2g} from one SGD step "
+        f"after step {step} the weights differ {by_how_much(_max_difference(after, clipped))} from one SGD step "
         f"on this batch's gradient clipped to max_norm"
     )
 
@@ -150,9 +154,13 @@ def _require_clipped_update(
     notebook=NOTEBOOK,
     title="accumulate micro-batches into the full-batch gradient",
     hint=(
-        "weight each micro-batch by its share of the rows: sum its per-row losses "
-        "(reduction='sum') and divide by len(y), the row count of the whole batch, so a short last "
-        "micro-batch counts as much as its rows (claim B4)"
+        "the check splits 30 rows into 8 + 8 + 8 + 6: does your last micro-batch count as much as its 6 rows, or as much as 8?",
+        "the full-batch mean weighs every row by 1 / len(y), whichever micro-batch it is in",
+        (
+            "weight each micro-batch by its share of the rows: sum its per-row losses "
+            "(reduction='sum') and divide by len(y), the row count of the whole batch, so a short last "
+            "micro-batch counts as much as its rows (claim B4)"
+        ),
     ),
     planted="gives the short last micro-batch the weight of a full one",
 )

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.exercises import NotYet, exercise, torch_error_clause
+from labkit.exercises import NotYet, TorchCalls, exercise, torch_error_clause
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -27,8 +27,12 @@ TOLERANCE = 1e-9
     notebook=NOTEBOOK,
     title="a LayerNorm that trains",
     hint=(
-        "divide out of place (centred / std, not centred.div_(std)): the variance saved `centred` for backward; "
-        "and put eps under the square root, torch.sqrt(variance + eps), so a constant row is not 0/0"
+        "two symptoms: backward raises (read its message: 'modified by an inplace operation'), and a constant row gives NaN",
+        "the division writes into a tensor autograd saved for backward, and a constant row has variance 0",
+        (
+            "divide out of place (centred / std, not centred.div_(std)): the variance saved `centred` for backward; "
+            "and put eps under the square root, torch.sqrt(variance + eps), so a constant row is not 0/0"
+        ),
     ),
     planted=(
         "backward through your output raised RuntimeError: one of the variables needed for "
@@ -67,7 +71,15 @@ def _output_and_gradient(layer_norm_rows: Callable, rows: torch.Tensor, upstream
                          eps: float, label: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The learner's output and the gradient backward sends into x, after the structural checks."""
     x = rows.clone().requires_grad_()
-    out = layer_norm_rows(x, eps)
+    with TorchCalls() as calls:
+        out = layer_norm_rows(x, eps)
+    built_in = sorted(function.__name__ for function in calls.functions & _BUILT_IN_NORMS)
+    if built_in:
+        raise NotYet(
+            f"your function calls torch's own {built_in[0]}, so it shows nothing about the in-place division and "
+            "the missing eps that break the planted version",
+            hint="write the normalisation yourself: centre each row, divide by the square root of its variance plus eps",
+        )
     if not isinstance(out, torch.Tensor) or out.shape != rows.shape:
         raise NotYet(f"on {label} it returned {_describe(out)}, not a tensor shaped like x {tuple(rows.shape)}")
     if not torch.equal(x.detach(), rows):
@@ -82,6 +94,10 @@ def _output_and_gradient(layer_norm_rows: Callable, rows: torch.Tensor, upstream
     return out, grad
 
 
+_BUILT_IN_NORMS = {F.layer_norm, torch.layer_norm, torch.native_layer_norm, F.group_norm, F.instance_norm,
+                   F.rms_norm, torch.rms_norm}
+
+
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
@@ -93,8 +109,12 @@ def _describe(value: object) -> str:
     notebook=NOTEBOOK,
     title="a custom backward that gradcheck accepts",
     hint=(
-        "the derivative of ||a_i - b_i|| with respect to a_i is (a_i - b_i) / ||a_i - b_i||, and minus that for "
-        "b_i; scale each row by its grad_output[i] (grad_output[:, None] broadcasts over the columns)"
+        "the distance is not squared here: differentiate ||a_i - b_i|| itself, not ||a_i - b_i||^2",
+        "the derivative of a norm is the unit vector along a_i - b_i, and each row is scaled by its own grad_output[i]",
+        (
+            "the derivative of ||a_i - b_i|| with respect to a_i is (a_i - b_i) / ||a_i - b_i||, and minus that for "
+            "b_i; scale each row by its grad_output[i] (grad_output[:, None] broadcasts over the columns)"
+        ),
     ),
     planted="gradcheck in float64 rejects your backward",
 )
@@ -128,7 +148,15 @@ def _custom_function(backward: Callable) -> Callable:
 
 
 def _require_gradient_shapes(backward: Callable, a: torch.Tensor, b: torch.Tensor) -> None:
-    result = backward(torch.ones(len(a), dtype=a.dtype), a.detach(), b.detach())
+    # Called as autograd calls a backward: grad mode off. A graph built in here is autograd doing the calculus.
+    with torch.no_grad(), TorchCalls() as calls:
+        result = backward(torch.ones(len(a), dtype=a.dtype), a.detach(), b.detach())
+    if calls.built_graph:
+        raise NotYet(
+            "your backward builds an autograd graph of its own and lets autograd differentiate the distance, "
+            "so the derivative is never written down",
+            hint="derive d||a_i - b_i|| / d a_i by hand (the derivative of a norm) and compute it with plain tensor ops",
+        )
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise NotYet(f"it returned {type(result).__name__}, not the pair (grad_a, grad_b)")
     for name, grad in zip(("grad_a", "grad_b"), result):

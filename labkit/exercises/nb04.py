@@ -1,14 +1,16 @@
-"""Checks for the exercises of 04_autograd_modes: a gradient through a sampled action, and the final
-state of each sequence in a padded batch.
+"""Checks for the exercises of 04_autograd_modes: a gradient through a random draw, and per-sequence
+results from a padded batch.
 
-04.1 asks for an actor loss whose gradient reaches the actor (the planted bug draws the action with
-`Normal.sample()`, which records no graph: case N2). 04.2 asks for each sequence's own final LSTM
-state (the planted bug runs the padded batch unpacked, so `h_n` is the state after the padding:
-case N4).
+04.1 carries case N2 (`sample()` records no graph) to a variational autoencoder's latent sample
+(the planted bug draws with `torch.normal`, whose gradient with respect to the mean and the
+standard deviation is zero, silently). 04.2 carries case N4 (padding runs through a recurrent net)
+to the mean output of a *bidirectional* GRU (the planted bug masks the padding out of the mean,
+which is right for one direction, but the backward direction starts in the padding).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,109 +23,128 @@ from labkit.exercises import NotYet, exercise
 __all__: list[str] = []
 
 NOTEBOOK = "04_autograd_modes"
-STATES = 16
-FEATURES = 4
-
-
-class _Actor(nn.Module):
-    """A Gaussian policy head: (loc, log_scale), each (N, 1)."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        super().__init__()
-        self.body = nn.Linear(FEATURES, 2).double()
-        with torch.no_grad():
-            for parameter in self.body.parameters():
-                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64) * 0.3)
-
-    def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loc, log_scale = self.body(states).chunk(2, dim=1)
-        return loc, log_scale
-
-
-class _LinearCritic(nn.Module):
-    """Q(s, a) = a * (s · c): linear in the action, so d(mean Q)/d loc does not depend on the noise."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        super().__init__()
-        self.c = nn.Parameter(torch.randn(FEATURES, 1, generator=generator, dtype=torch.float64))
-
-    def forward(self, states: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        return actions * (states @ self.c)
+LATENT_ROWS, LATENT_DIMS = 8, 3
+# Rows drawn to measure the sample's spread: the standard error of a std estimate is std / sqrt(2n), 1 %.
+SPREAD_ROWS, SPREAD_TOLERANCE = 5000, 0.05
 
 
 @exercise(
     "04.1",
     notebook=NOTEBOOK,
-    title="an actor loss that reaches the actor",
+    title="a latent sample that the encoder can learn from",
     hint=(
-        "draw the action with rsample(), the reparameterised loc + scale * noise; sample() runs under "
-        "no_grad, so nothing after it leads back to the actor (claim N2)"
+        "backpropagate through your sample: what gradient reaches mu and log_var, and is it zero?",
+        "torch.normal draws like sample(): the draw records no dependence on its parameters, so build z from "
+        "mu and the standard deviation with noise drawn on its own",
+        (
+            "reparameterise: z = mu + torch.exp(0.5 * log_var) * torch.randn_like(mu) (or "
+            "torch.distributions.Normal(mu, torch.exp(0.5 * log_var)).rsample()); exp(log_var) is the variance"
+        ),
     ),
-    planted="the actor's parameters hold no gradient",
+    planted="the gradient that reaches mu is zero",
 )
-def check_actor_loss(actor_loss: Callable) -> str:
-    """The loc head's gradient must equal its exact value; the scale head must get a gradient too."""
+def check_sample_latent(sample_latent: Callable) -> str:
+    """The draw must have the right spread, and the exact reparameterised gradients for mu and log_var."""
     generator = torch.Generator().manual_seed(0)
-    actor, critic = _Actor(generator), _LinearCritic(generator)
-    states = torch.randn(STATES, FEATURES, generator=generator, dtype=torch.float64)
-    loss = actor_loss(actor, critic, states)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise NotYet(f"it returned {_describe(loss)}, not a one-element loss tensor")
-    if not loss.requires_grad:
-        raise NotYet("the loss does not require grad, so backward cannot reach anything",
-                     hint="do not detach the loss or compute it under torch.no_grad()")
-    loss.backward()
-    weight_grad = actor.body.weight.grad
-    if weight_grad is None:
-        raise NotYet("after loss.backward() the actor's parameters hold no gradient (.grad is None)")
-    # -mean(a * q) with a = loc + scale * noise: d/d(loc weights) = -mean(q * s) whatever the noise.
-    q = (states @ critic.c).detach()
-    expected_loc_grad = -(q * states).mean(0)
-    if not torch.allclose(weight_grad[0], expected_loc_grad, rtol=1e-9, atol=1e-12):
-        raise NotYet("the gradient that reaches the loc head is not that of -critic(states, actions).mean()",
-                     hint="return -critic(states, actions).mean(), with actions drawn from Normal(loc, log_scale.exp())")
-    if weight_grad[1].abs().max() == 0:
-        raise NotYet("the log_scale head gets no gradient: the action does not depend on the scale",
-                     hint="draw the action from Normal(loc, log_scale.exp()) with rsample()")
-    return "the actor's loc and scale heads both receive the gradient of the critic's score"
+    mu = torch.randn(LATENT_ROWS, LATENT_DIMS, generator=generator, dtype=torch.float64).requires_grad_()
+    log_var = torch.randn(LATENT_ROWS, LATENT_DIMS, generator=generator, dtype=torch.float64).requires_grad_()
+    upstream = torch.randn(LATENT_ROWS, LATENT_DIMS, generator=generator, dtype=torch.float64)
+    _require_spread(sample_latent)
+    z = _latent(sample_latent, mu, log_var)
+    if not z.requires_grad:
+        raise NotYet("z does not require grad, so no gradient can reach the encoder",
+                     hint="do not detach z or draw it under torch.no_grad()")
+    grad_mu, grad_log_var = torch.autograd.grad((z * upstream).sum(), (mu, log_var), allow_unused=True)
+    if grad_mu is None or grad_mu.abs().max() == 0:
+        raise NotYet("the gradient that reaches mu is zero (or None): the draw does not depend on mu in autograd's "
+                     "eyes, so the encoder cannot learn")
+    if not torch.allclose(grad_mu, upstream, rtol=1e-9, atol=1e-12):
+        raise NotYet("the gradient that reaches mu is not dL/dz: z must move one for one with mu")
+    # z = mu + std * noise with std = exp(log_var / 2): dz/dlog_var = std * noise / 2 = (z - mu) / 2.
+    expected_log_var = upstream * (z - mu).detach() / 2
+    if grad_log_var is None or grad_log_var.abs().max() == 0:
+        raise NotYet("log_var gets no gradient: z moves with mu, but not with the standard deviation")
+    if not torch.allclose(grad_log_var, expected_log_var, rtol=1e-9, atol=1e-12):
+        raise NotYet("the gradient that reaches log_var is not that of mu + exp(log_var / 2) * noise")
+    return "z has the spread exp(log_var / 2), and mu and log_var both receive the exact reparameterised gradient"
+
+
+def _latent(sample_latent: Callable, mu: torch.Tensor, log_var: torch.Tensor) -> torch.Tensor:
+    z = sample_latent(mu, log_var)
+    if not isinstance(z, torch.Tensor) or z.shape != mu.shape:
+        raise NotYet(f"it returned {_describe(z)}, but a z shaped like mu {tuple(mu.shape)} was expected")
+    return z
+
+
+def _require_spread(sample_latent: Callable) -> None:
+    """Mean 1 and standard deviation 2 (log_var = log 4) over many rows, within a few standard errors."""
+    mu = torch.ones(SPREAD_ROWS, 1, dtype=torch.float64)
+    log_var = torch.full((SPREAD_ROWS, 1), math.log(4.0), dtype=torch.float64)
+    z = _latent(sample_latent, mu, log_var).detach()
+    spread, centre = z.std().item(), z.mean().item()
+    if abs(spread - 2.0) > 2.0 * SPREAD_TOLERANCE:
+        raise NotYet(
+            f"for log_var = log(4) your samples have standard deviation {spread:.2f}, but exp(log_var / 2) = 2"
+            + (": exp(log_var) is the variance, not the standard deviation" if abs(spread - 4.0) < 0.4 else "")
+        )
+    if abs(centre - 1.0) > 0.1:
+        raise NotYet(f"for mu = 1 your samples have mean {centre:.2f}")
 
 
 @exercise(
     "04.2",
     notebook=NOTEBOOK,
-    title="the final state of each padded sequence",
+    title="the mean output of each padded sequence, through a bidirectional GRU",
     hint=(
-        "pack the batch first: nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True, "
-        "enforce_sorted=False); the LSTM then stops each sequence at its own length, and h_n[-1] is its last state"
+        "run one short sequence alone and compare: which half of the output (forward or backward direction) "
+        "differs from the batched run?",
+        "a bidirectional GRU reads each sequence from both ends; for a padded sequence the backward direction "
+        "starts at the end of the padding, so masking the outputs afterwards is too late",
+        (
+            "pack the batch, nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True, "
+            "enforce_sorted=False), run the GRU, unpack with nn.utils.rnn.pad_packed_sequence(..., batch_first=True), "
+            "then sum over time and divide by each sequence's own length"
+        ),
     ),
-    planted="the padding steps ran through the LSTM",
+    planted="the backward direction started in the padding",
 )
-def check_last_hidden_state(last_hidden_state: Callable) -> str:
+def check_mean_output(mean_output: Callable) -> str:
     """Against each sequence run alone, with unsorted lengths, and no gradient may enter the padding."""
     torch.manual_seed(0)
-    lstm = nn.LSTM(3, 4, batch_first=True).double()
+    gru = nn.GRU(3, 4, batch_first=True, bidirectional=True).double()
     generator = torch.Generator().manual_seed(0)
     lengths = torch.tensor([2, 5, 1, 4])
     sequences = [torch.randn(int(n), 3, generator=generator, dtype=torch.float64) for n in lengths]
     padded = pad_sequence(sequences, batch_first=True).requires_grad_()
-    expected = torch.stack([lstm(s[None])[1][0][-1, 0] for s in sequences]).detach()
-    got = last_hidden_state(lstm, padded, lengths)
+    expected = torch.stack([gru(s[None])[0][0].mean(0) for s in sequences]).detach()
+    got = mean_output(gru, padded, lengths)
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        raise NotYet(f"it returned {_describe(got)}, but (N, hidden) = {tuple(expected.shape)} was expected")
+        raise NotYet(f"it returned {_describe(got)}, but (N, 2 * hidden) = {tuple(expected.shape)} was expected")
     if not torch.allclose(got, expected, rtol=1e-9, atol=1e-12):
-        wrong = [i for i in range(len(lengths)) if not torch.allclose(got[i], expected[i], rtol=1e-9, atol=1e-12)]
-        raise NotYet(
-            f"the states of the sequences with lengths {[int(lengths[i]) for i in wrong]} (padded to "
-            f"{int(lengths.max())}) differ from what each reaches alone: the padding steps ran through the LSTM"
-        )
+        raise NotYet(_which_part_differs(got.detach(), expected, gru, padded.detach(), lengths))
     if not got.requires_grad:
         raise NotYet("the result does not require grad, so training could not use it",
-                     hint="do not detach the state or compute it under torch.no_grad()")
+                     hint="do not detach the result or compute it under torch.no_grad()")
     (grad,) = torch.autograd.grad(got.sum(), padded)
     padding = torch.arange(padded.shape[1])[None] >= lengths[:, None]
     if grad[padding].abs().max() > 0:
         raise NotYet("gradient reaches the padding positions, so they still influence the result")
-    return f"all {len(lengths)} final states match each sequence run alone, with unsorted lengths"
+    return f"all {len(lengths)} mean outputs match each sequence run alone, in both directions, with unsorted lengths"
+
+
+def _which_part_differs(got: torch.Tensor, expected: torch.Tensor, gru: nn.GRU, padded: torch.Tensor,
+                        lengths: torch.Tensor) -> str:
+    hidden = gru.hidden_size
+    wrong = [i for i in range(len(lengths)) if not torch.allclose(got[i], expected[i], rtol=1e-9, atol=1e-12)]
+    which = f"the mean outputs of the sequences with lengths {[int(lengths[i]) for i in wrong]}"
+    forward_right = torch.allclose(got[:, :hidden], expected[:, :hidden], rtol=1e-9, atol=1e-12)
+    if forward_right:
+        return (f"{which} differ from what each gives alone in the backward direction only: the backward direction "
+                f"started in the padding (it reads each sequence from position {padded.shape[1] - 1} down)")
+    over_padded_length = expected * lengths[:, None].double() / padded.shape[1]
+    if torch.allclose(got, over_padded_length, rtol=1e-9, atol=1e-12):
+        return f"{which} are divided by the padded length {padded.shape[1]}, not by each sequence's own length"
+    return f"{which} differ from what each sequence gives when run alone"
 
 
 def _describe(value: object) -> str:

@@ -1,8 +1,10 @@
 """Checks for the exercises of 05_batchnorm_finetuning.
 
-05.1 asks for a training mode in which every BatchNorm layer stays in eval mode with its affine
-parameters frozen (the planted bug calls `model.train()` alone, so the running statistics follow the
-fine-tuning batches: claims D2 and D4). 05.2 asks for a precise re-estimate of BatchNorm running
+05.1 asks for a training mode for a pretrained backbone under a new head, in which the backbone's
+BatchNorm layers stay in eval mode with their affine parameters frozen while the head's new
+BatchNorm trains (the planted bug calls `model.train()` alone, so the backbone's running statistics
+follow the fine-tuning batches: claims D2 and D4; freezing every BatchNorm, as the notebook's remedy
+does for a model that is all pretrained, leaves the head's never-estimated statistics at 0 and 1). 05.2 asks for a precise re-estimate of BatchNorm running
 statistics on new data (the planted bug runs a few batches in train mode, so the exponential average
 keeps most of the old statistics: claim D4). Fixtures are float64 on the CPU and their new data is
 shifted far from the statistics the layers hold, because that is when the bugs bite.
@@ -37,12 +39,20 @@ def _batchnorm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if isinstance(module, BATCHNORMS)]
 
 
+PRETRAINED = "backbone"
+
+
 def _mode_fixture() -> nn.Sequential:
+    """A pretrained convolutional backbone with its BatchNorm2d, and a new head with its own BatchNorm1d."""
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-        nn.Linear(4 * 4 * 4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3),
-    ).double()
+    model = nn.Sequential()
+    model.add_module(PRETRAINED, nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                               nn.Flatten()))
+    model.add_module("head", nn.Sequential(nn.Linear(4 * 4 * 4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5),
+                                           nn.Linear(8, 3)))
+    model.double()
+    with torch.no_grad():  # the backbone's statistics, as pretraining left them
+        model.get_submodule(f"{PRETRAINED}.1").running_mean.fill_(0.5)
     # As a script would leave it after evaluating: everything in eval mode.
     return model.eval()
 
@@ -50,23 +60,34 @@ def _mode_fixture() -> nn.Sequential:
 @exercise(
     "05.1",
     notebook=NOTEBOOK,
-    title="train mode, with BatchNorm frozen",
+    title="fine-tune a pretrained backbone under a new head, with the backbone's BatchNorm frozen",
     hint=(
-        "call model.train(), then walk model.modules(): every BatchNorm1d/2d/3d goes back to .eval() and "
-        "its weight and bias get requires_grad_(False)"
+        "after your function, look at each BatchNorm layer's .training and requires_grad: which of them were "
+        "pretrained, and which are new?",
+        "model.train() switches every submodule; only the BatchNorm layers inside the pretrained part have "
+        "statistics worth keeping, so only they go back to eval mode and are frozen",
+        (
+            "call model.train(), then walk model.get_submodule(pretrained).modules() (or model.named_modules(), "
+            "keeping the names that start with pretrained + '.'): each BatchNorm layer there goes back to .eval() "
+            "and gets requires_grad_(False); the head's BatchNorm is left training"
+        ),
     ),
     planted="is in training mode, so every forward pass moves its running statistics",
 )
 def check_set_finetune_mode(set_finetune_mode: Callable) -> str:
-    """The model trains (dropout on, other weights trainable) while BatchNorm statistics stay put."""
+    """The model trains, the backbone's BatchNorm keeps its statistics, the head's BatchNorm learns its own."""
     model = _mode_fixture()
-    set_finetune_mode(model)
+    set_finetune_mode(model, PRETRAINED)
     _require_training_except_batchnorm(model)
-    _require_frozen_batchnorm(model)
-    _require_statistics_unchanged_by_training(model)
+    for name, layer in _batchnorm_layers(model):
+        if name.startswith(PRETRAINED + "."):
+            _require_frozen_batchnorm(name, layer)
+        else:
+            _require_training_batchnorm(name, layer)
+    _require_statistics_after_a_training_step(model)
     return (
-        "dropout and every other layer train, while both BatchNorm layers keep their running statistics "
-        "through a training step on shifted data and their weight and bias stay frozen"
+        "dropout and the head's new BatchNorm train, while the backbone's BatchNorm keeps its running statistics "
+        "through a training step on shifted data with its weight and bias frozen"
     )
 
 
@@ -79,21 +100,28 @@ def _require_training_except_batchnorm(model: nn.Module) -> None:
     for name, parameter in model.named_parameters():
         owner = model.get_submodule(name.rpartition(".")[0])
         if not isinstance(owner, BATCHNORMS) and not parameter.requires_grad:
-            raise NotYet(f"'{name}' was frozen too; only the BatchNorm weight and bias should be")
+            raise NotYet(f"'{name}' was frozen too; only the backbone's BatchNorm weight and bias should be")
 
 
-def _require_frozen_batchnorm(model: nn.Module) -> None:
-    for name, layer in _batchnorm_layers(model):
-        if layer.training:
-            raise NotYet(
-                f"BatchNorm layer '{name}' is in training mode, so every forward pass moves its running "
-                "statistics towards the fine-tuning batches"
-            )
-        if layer.weight.requires_grad or layer.bias.requires_grad:
-            raise NotYet(f"BatchNorm layer '{name}' still trains its weight or bias")
+def _require_frozen_batchnorm(name: str, layer: nn.Module) -> None:
+    if layer.training:
+        raise NotYet(
+            f"BatchNorm layer '{name}' is in training mode, so every forward pass moves its running "
+            "statistics towards the fine-tuning batches"
+        )
+    if layer.weight.requires_grad or layer.bias.requires_grad:
+        raise NotYet(f"BatchNorm layer '{name}' still trains its weight or bias")
 
 
-def _require_statistics_unchanged_by_training(model: nn.Module) -> None:
+def _require_training_batchnorm(name: str, layer: nn.Module) -> None:
+    if not layer.training or not (layer.weight.requires_grad and layer.bias.requires_grad):
+        raise NotYet(
+            f"BatchNorm layer '{name}' belongs to the new head, not to '{PRETRAINED}', yet you froze it: its "
+            "running statistics were never estimated (still 0 and 1), so they must learn from the fine-tuning data"
+        )
+
+
+def _require_statistics_after_a_training_step(model: nn.Module) -> None:
     layers = _batchnorm_layers(model)
     before = [(layer.running_mean.clone(), layer.running_var.clone()) for _, layer in layers]
     generator = torch.Generator().manual_seed(1)
@@ -101,10 +129,11 @@ def _require_statistics_unchanged_by_training(model: nn.Module) -> None:
     y = torch.randint(0, 3, (6,), generator=generator)
     F.cross_entropy(model(x), y).backward()
     for (name, layer), (mean, var) in zip(layers, before):
-        if not (torch.equal(layer.running_mean, mean) and torch.equal(layer.running_var, var)):
+        unchanged = torch.equal(layer.running_mean, mean) and torch.equal(layer.running_var, var)
+        if name.startswith(PRETRAINED + ".") and not unchanged:
             raise NotYet(f"a training step on shifted data changed the running statistics of '{name}'")
-    if model[0].weight.grad is None:
-        raise NotYet("after a training step the first convolution got no gradient; the rest of the model must still train")
+    if model.get_submodule(f"{PRETRAINED}.0").weight.grad is None:
+        raise NotYet("after a training step the backbone's convolution got no gradient; it must still train")
 
 
 def _recalibration_fixture() -> tuple[nn.Sequential, torch.Tensor]:
@@ -149,9 +178,13 @@ def _eval_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     notebook=NOTEBOOK,
     title="re-estimate BatchNorm statistics on new data",
     hint=(
-        "for each BatchNorm layer: reset_running_stats() and momentum=None (a plain average over batches); "
-        "run every batch under torch.no_grad() with only the BatchNorm layers in train mode; then restore "
-        "each momentum and call model.eval()"
+        "after your function, compare the running statistics with the plain mean and variance of the new data",
+        "a momentum of 0.1 keeps part of the old statistics; momentum=None makes a plain average over the batches",
+        (
+            "for each BatchNorm layer: reset_running_stats() and momentum=None (a plain average over batches); "
+            "run every batch under torch.no_grad() with only the BatchNorm layers in train mode; then restore "
+            "each momentum and call model.eval()"
+        ),
     ),
     planted="an exponential average over a few batches still remembers the old statistics",
 )

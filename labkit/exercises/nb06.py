@@ -39,8 +39,12 @@ GROUP_LR = 0.1
     notebook=NOTEBOOK,
     title="one AdamW step, by hand",
     hint=(
-        "shrink the parameter first, param.mul_(1 - lr * weight_decay), and leave the gradient alone: the moments "
-        "see only grad, and the update is lr * m_hat / (sqrt(v_hat) + eps) with both moments bias-corrected"
+        "compare your step with AdamW's rule in order: decay, moments, bias correction, update",
+        "AdamW shrinks the parameter by lr * weight_decay directly; the gradient the moments see never includes the decay",
+        (
+            "shrink the parameter first, param.mul_(1 - lr * weight_decay), and leave the gradient alone: the moments "
+            "see only grad, and the update is lr * m_hat / (sqrt(v_hat) + eps) with both moments bias-corrected"
+        ),
     ),
     planted="that is claim E1's legacy Adam, not AdamW",
 )
@@ -52,6 +56,7 @@ def check_adamw_update(adamw_update: Callable) -> str:
     l2_path = _adam_l2_path(start, grads)
     param, exp_avg, exp_avg_sq = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
     for step, grad in enumerate(grads, start=1):
+        before = {"param": param.clone(), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone()}
         adamw_update(param, grad.clone(), exp_avg, exp_avg_sq, step, LEARNING_RATE, BETAS, EPS, WEIGHT_DECAY)
         reference.grad = grad.clone()
         optimizer.step()
@@ -61,8 +66,8 @@ def check_adamw_update(adamw_update: Callable) -> str:
                 "(L2, divided by sqrt(v_hat) like the rest): that is claim E1's legacy Adam, not AdamW"
             )
         state = optimizer.state[reference]
-        _require_close(exp_avg, state["exp_avg"], f"exp_avg after step {step}",
-                       "the moments see the gradient only; AdamW never adds weight_decay * param to it")
+        _require_updated_in_place({"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, before, step)
+        _require_close(exp_avg, state["exp_avg"], f"exp_avg after step {step}", _moment_hint(exp_avg, before, grad))
         _require_close(exp_avg_sq, state["exp_avg_sq"], f"exp_avg_sq after step {step}")
         _require_close(param, reference.detach(), f"the parameter after step {step}")
     return (
@@ -91,6 +96,29 @@ def _adam_l2_path(start: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.
     return path
 
 
+def _require_updated_in_place(tensors: dict, before: dict, step: int) -> None:
+    """Each tensor the learner was given must have changed: a rebound local name changes nothing outside."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and torch.equal(tensor, before[name]):
+            raise NotYet(
+                f"after step {step}, the {name} tensor you were given still holds its old values: your function "
+                "computed new values but bound them to a local name (x = ...), which the caller never sees",
+                hint=(
+                    "the optimizer keeps these tensors and passes the same ones to every step, so change them in "
+                    "place: x.mul_(...), x.add_(...), x.copy_(new_value)"
+                ),
+            )
+
+
+def _moment_hint(exp_avg: object, before: dict, grad: torch.Tensor) -> str | None:
+    """The weight-decay hint, only when exp_avg is the moment of grad + weight_decay * param (L2 leaked in)."""
+    beta1 = BETAS[0]
+    leaked = beta1 * before["exp_avg"] + (1 - beta1) * (grad + WEIGHT_DECAY * before["param"])
+    if isinstance(exp_avg, torch.Tensor) and exp_avg.shape == leaked.shape and _difference(exp_avg, leaked) <= TOLERANCE:
+        return "the moments see the gradient only; AdamW never adds weight_decay * param to it"
+    return "exp_avg is the running mean of the gradients: beta1 * exp_avg + (1 - beta1) * grad"
+
+
 def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs() / want.abs().clamp_min(1.0)).max().item()
 
@@ -98,6 +126,15 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
 def _require_close(got: object, want: torch.Tensor, what: str, hint: str | None = None) -> None:
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         raise NotYet(f"{what} is not a tensor of shape {tuple(want.shape)}: update the tensors you were given in place")
+    became_nan = int((got.isnan() & ~want.isnan()).sum())
+    if became_nan:
+        raise NotYet(
+            f"{what} became NaN at {became_nan} of its {got.numel()} entries, where torch.optim.AdamW's is finite",
+            hint=(
+                "look for a 0 / 0: the weight whose gradient is always zero has v_hat = 0, so the denominator "
+                "must stay positive there (eps is added after the square root)"
+            ),
+        )
     difference = _difference(got, want)
     if not difference <= TOLERANCE:
         raise NotYet(f"{what} differs from torch.optim.AdamW's by {difference:.2g}", hint=hint)
@@ -108,8 +145,12 @@ def _require_close(got: object, want: torch.Tensor, what: str, hint: str | None 
     notebook=NOTEBOOK,
     title="layer-wise weight decay with parameter groups",
     hint=(
-        "for each module name, make two groups: its parameters with p.ndim >= 2 with the module's decay, and its "
-        "1-d parameters (biases, normalisation scales and shifts) with weight_decay 0.0"
+        "look at which parameters get decay: should a bias or a normalisation scale be pulled toward 0?",
+        "split each module's parameters by shape: matrices get the module's decay, 1-d parameters get none",
+        (
+            "for each module name, make two groups: its parameters with p.ndim >= 2 with the module's decay, and its "
+            "1-d parameters (biases, normalisation scales and shifts) with weight_decay 0.0"
+        ),
     ),
     planted="biases and normalisation parameters should get weight_decay 0.0",
 )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -29,8 +29,12 @@ LEARNING_RATE = 0.1
     notebook=NOTEBOOK,
     title="clip by the total norm",
     hint=(
-        "measure one norm over all tensors together, sqrt(sum of every g*g), and multiply every tensor by the "
-        "same factor min(1, max_norm / (total + 1e-6))"
+        "does every tensor get the same scale factor? the total norm is one number for all tensors together",
+        "measure the joint L2 norm over all gradients, then multiply all of them by one factor, and only when that norm is above max_norm",
+        (
+            "measure one norm over all tensors together, sqrt(sum of every g*g), and multiply every tensor by the "
+            "same factor min(1, max_norm / (total + 1e-6))"
+        ),
     ),
     planted="each tensor was scaled by its own factor",
 )
@@ -102,7 +106,11 @@ def _require_clipped(
     "07.2",
     notebook=NOTEBOOK,
     title="skip a step whose gradient is not finite",
-    hint="a NaN norm is not equal to inf; test with torch.isfinite(total) (or math.isfinite), which is False for both",
+    hint=(
+        "is a NaN bigger than any threshold, or equal to inf? try it: float('nan') > 1e9",
+        "every comparison with NaN is False, so the test must ask whether the norm is finite",
+        "a NaN norm is not equal to inf; test with torch.isfinite(total) (or math.isfinite), which is False for both",
+    ),
     planted="with a NaN value in one gradient, your function changed the weights",
 )
 def check_guarded_step(guarded_step: Callable) -> str:
@@ -123,7 +131,7 @@ def check_guarded_step(guarded_step: Callable) -> str:
     worst = max((p.detach() - e).abs().max().item() for p, e in zip(model.parameters(), expected))
     if worst > TOLERANCE:
         raise NotYet(
-            f"with a finite gradient, the weights differ by {worst:.2g} from one SGD step on the gradient "
+            f"with a finite gradient, the weights differ {by_how_much(worst)} from one SGD step on the gradient "
             "clipped to max_norm",
             hint="clip with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before optimizer.step()",
         )

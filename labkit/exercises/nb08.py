@@ -30,8 +30,12 @@ TOLERANCE = 1e-9
     notebook=NOTEBOOK,
     title="read the accumulated gradient",
     hint=(
-        "register param.register_post_accumulate_grad_hook(hook): PyTorch calls hook(param) after the "
-        "backward pass has added into param.grad, so read param.grad.norm() there"
+        "the check runs two backward passes before it reads: does your hook see their sum, or only one pass's gradient?",
+        "a tensor hook sees each pass's gradient before it is added into .grad; another hook runs after accumulation",
+        (
+            "register param.register_post_accumulate_grad_hook(hook): PyTorch calls hook(param) after the "
+            "backward pass has added into param.grad, so read param.grad.norm() there"
+        ),
     ),
     planted="the hook saw only one backward pass's gradient",
 )
@@ -99,8 +103,12 @@ def _require_norms(norms: dict, expected: dict[str, float]) -> None:
     notebook=NOTEBOOK,
     title="a spike alert that sees NaN",
     hint=(
-        "test math.isfinite(current) first (NaN > x is always False), and build the baseline from the finite "
-        "readings only, so one NaN in the history does not make the mean NaN"
+        "what is NaN > anything? and what does one NaN in the history do to its mean?",
+        "test the current reading for finiteness first, and leave non-finite readings out of the baseline",
+        (
+            "test math.isfinite(current) first (NaN > x is always False), and build the baseline from the finite "
+            "readings only, so one NaN in the history does not make the mean NaN"
+        ),
     ),
     planted="for a NaN reading, your function returned",
 )

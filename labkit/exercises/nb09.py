@@ -1,7 +1,8 @@
 """Checks for the exercises of 09_residual_design (case M1).
 
-09.1 asks for a pre-activation residual block (the planted bug keeps a ReLU after the addition, so
-the skip is no identity); 09.2 asks for the gradient survival rate, the share of non-zero entries
+09.1 carries the pre-activation lesson to a Transformer: a pre-norm sublayer, x + sublayer(norm(x))
+(the planted bug normalises the sum, as the original post-norm Transformer does, so the skip is no
+identity); 09.2 asks for the gradient survival rate, the share of non-zero entries
 of the input gradient and its norm ratio (the planted bug counts only positive entries).
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from labkit.exercises import NotYet, exercise
@@ -26,42 +26,64 @@ WIDTH = 6
 @exercise(
     "09.1",
     notebook=NOTEBOOK,
-    title="a pre-activation block",
-    hint="return x + lin2(relu(bn2(lin1(relu(bn1(x)))))) and apply nothing to the sum: no ReLU after the addition",
-    planted="a ReLU is applied after the addition",
+    title="a pre-norm Transformer sublayer",
+    hint=(
+        "zero the sublayer's last layer, so the branch adds nothing: is the block then the identity?",
+        "the lesson of the pre-activation block carries over: the skip path must carry x itself, with the "
+        "normalisation inside the branch only",
+        "return x + sublayer(norm(x)): normalise the branch's input, never the sum and never the skip",
+    ),
+    planted="the normalisation is applied to the sum",
 )
-def check_preact_block(preact_block: Callable) -> str:
-    """The block must match the v2 formula, and with a zeroed last layer pass x and its gradient exactly."""
+def check_prenorm_sublayer(prenorm_sublayer: Callable) -> str:
+    """The block must be x + sublayer(norm(x)), and with a zeroed last layer pass x and its gradient exactly."""
     x = _inputs()
-    parts = _parts(zero_last=False)
-    expected = x + parts[3](F.relu(parts[2](parts[1](F.relu(parts[0](x))))))
-    got = _call(preact_block, x, parts)
+    norm, sublayer = _sublayer_parts(zero_last=False)
+    got = _call(prenorm_sublayer, x, norm, sublayer)
+    expected = x + sublayer(norm(x))
     if (got - expected).abs().max().item() > TOLERANCE:
-        negatives_lost = bool((expected < 0).any()) and not bool((got < 0).any())
-        if negatives_lost:
-            raise NotYet("the block's output has no negative entries: a ReLU is applied after the addition")
-        raise NotYet(f"the output differs from x + lin2(relu(bn2(lin1(relu(bn1(x)))))) by up to {(got - expected).abs().max().item():.2g}")
+        raise NotYet(_which_block(got, x, norm, sublayer))
     leaf = x.clone().requires_grad_()
-    zeroed = _parts(zero_last=True)
-    out = _call(preact_block, leaf, zeroed)
+    norm, sublayer = _sublayer_parts(zero_last=True)
+    out = _call(prenorm_sublayer, leaf, norm, sublayer)
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     (grad,) = torch.autograd.grad(out, leaf, upstream)
     if not torch.equal(out.detach(), x) or not torch.equal(grad, upstream):
-        raise NotYet("with the branch's last layer zeroed, the block is not an exact identity for x and its gradient")
-    return "matches the pre-activation formula, and with a zero branch passes x and its gradient through exactly"
+        raise NotYet("with the sublayer's last layer zeroed, the block is not an exact identity for x and its gradient")
+    return "matches x + sublayer(norm(x)), and with a zeroed sublayer passes x and its gradient through exactly"
+
+
+def _which_block(got: torch.Tensor, x: torch.Tensor, norm: nn.Module, sublayer: nn.Module) -> str:
+    """Name the usual wrong placements of the normalisation, else say how far off the output is."""
+    candidates = {
+        "the normalisation is applied to the sum, norm(x + sublayer(x)) (the original post-norm Transformer), "
+        "so even a zero sublayer changes x": norm(x + sublayer(x)),
+        "the skip path carries norm(x), not x: norm(x) + sublayer(norm(x)) renormalises the input of every "
+        "block, so a zero sublayer still changes x": norm(x) + sublayer(norm(x)),
+        "the sublayer sees x itself: x + sublayer(x) has no normalisation at all": x + sublayer(x),
+    }
+    for problem, wrong in candidates.items():
+        if (got - wrong).abs().max().item() <= TOLERANCE:
+            return problem
+    return f"the output differs from x + sublayer(norm(x)) by up to {(got - x - sublayer(norm(x))).abs().max().item():.2g}"
 
 
 def _inputs() -> torch.Tensor:
-    return torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    return 2.0 + torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
 
 
-def _parts(zero_last: bool) -> list[nn.Module]:
-    parts = [nn.BatchNorm1d(WIDTH).double(), _seeded_linear(), nn.BatchNorm1d(WIDTH).double(), _seeded_linear()]
-    if zero_last:
-        with torch.no_grad():
-            parts[3].weight.zero_()
-            parts[3].bias.zero_()
-    return parts
+def _sublayer_parts(zero_last: bool) -> tuple[nn.Module, nn.Module]:
+    """A LayerNorm with a non-trivial affine, and a two-layer MLP sublayer."""
+    generator = torch.Generator().manual_seed(9)
+    norm = nn.LayerNorm(WIDTH).double()
+    sublayer = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)).double()
+    with torch.no_grad():
+        for parameter in [*norm.parameters(), *sublayer.parameters()]:
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+        if zero_last:
+            sublayer[2].weight.zero_()
+            sublayer[2].bias.zero_()
+    return norm, sublayer
 
 
 def _seeded_linear() -> nn.Linear:
@@ -73,8 +95,8 @@ def _seeded_linear() -> nn.Linear:
     return linear
 
 
-def _call(preact_block: Callable, x: torch.Tensor, parts: list[nn.Module]) -> torch.Tensor:
-    out = preact_block(x, *parts)
+def _call(prenorm_sublayer: Callable, x: torch.Tensor, norm: nn.Module, sublayer: nn.Module) -> torch.Tensor:
+    out = prenorm_sublayer(x, norm, sublayer)
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         raise NotYet(f"the block must return a tensor shaped like x {tuple(x.shape)}, got {getattr(out, 'shape', type(out).__name__)}")
     return out
@@ -84,7 +106,11 @@ def _call(preact_block: Callable, x: torch.Tensor, parts: list[nn.Module]) -> to
     "09.2",
     notebook=NOTEBOOK,
     title="the gradient survival rate",
-    hint="count every entry that is not zero, (grad != 0): a negative gradient entry survived just as well",
+    hint=(
+        "which gradient entries does your count leave out: are negative entries lost?",
+        "an entry survived when it is not zero, whatever its sign",
+        "count every entry that is not zero, (grad != 0): a negative gradient entry survived just as well",
+    ),
     planted="of the input gradient's entries are not zero",
 )
 def check_gradient_survival(gradient_survival: Callable) -> str:
@@ -92,8 +118,11 @@ def check_gradient_survival(gradient_survival: Callable) -> str:
     generator = torch.Generator().manual_seed(9)
     x = torch.randn(32, WIDTH, generator=generator, dtype=torch.float64)
     upstream = torch.randn(32, WIDTH, generator=generator, dtype=torch.float64)
-    cases = [("nn.Identity()", nn.Identity()), ("nn.ReLU()", nn.ReLU()), ("a Linear layer", _seeded_linear())]
-    for label, stack in cases:
+    # The last case is a vanishing gradient: every entry tiny but not zero, so every entry survived.
+    cases = [("nn.Identity()", nn.Identity(), upstream), ("nn.ReLU()", nn.ReLU(), upstream),
+             ("a Linear layer", _seeded_linear(), upstream),
+             ("nn.Identity() with an upstream gradient of size 1e-8", nn.Identity(), 1e-8 * upstream)]
+    for label, stack, upstream in cases:
         want_share, want_ratio = _reference(stack, x, upstream)
         got = gradient_survival(stack, x, upstream)
         if not (isinstance(got, tuple) and len(got) == 2):
@@ -103,7 +132,10 @@ def check_gradient_survival(gradient_survival: Callable) -> str:
             raise NotYet(f"for {label}, the non-zero share is {share:.4f}, but {want_share:.4f} of the input gradient's entries are not zero")
         if abs(ratio - want_ratio) > TOLERANCE * max(1.0, want_ratio):
             raise NotYet(f"for {label}, the norm ratio is {ratio:.6g}, expected {want_ratio:.6g}")
-    return "exact on an identity, a ReLU and a Linear: every non-zero entry counted, and the norm ratio right"
+    return (
+        "exact on an identity, a ReLU, a Linear and a vanishing gradient: every non-zero entry counted, however "
+        "small, and the norm ratio right"
+    )
 
 
 def _reference(stack: nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> tuple[float, float]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.amp import GradScaler
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -33,8 +33,12 @@ TOLERANCE = 1e-6
     notebook=NOTEBOOK,
     title="one fp16 step with a loss scaler",
     hint=(
-        "after scaler.scale(loss).backward(), call scaler.step(optimizer) (it unscales the gradients and skips a "
-        "step whose gradients are not finite) and then scaler.update()"
+        "the gradients in .grad after scaler.scale(loss).backward() are multiplied by the scale: who divides it out?",
+        "the scaler's own step unscales, skips non-finite steps, and its update adjusts the scale",
+        (
+            "after scaler.scale(loss).backward(), call scaler.step(optimizer) (it unscales the gradients and skips a "
+            "step whose gradients are not finite) and then scaler.update()"
+        ),
     ),
     planted="the optimizer stepped with gradients still multiplied by the loss scale",
 )
@@ -115,7 +119,7 @@ def _require_same_step(model, reference, before, scale: float, step: int) -> Non
             f"with gradients still multiplied by the loss scale ({scale:g})"
         )
     raise NotYet(
-        f"after step {step} the parameters differ by {_max_difference(after, target):.2g} from one SGD step with "
+        f"after step {step} the parameters differ {by_how_much(_max_difference(after, target))} from one SGD step with "
         "the forward under torch.autocast(x.device.type, dtype=torch.float16) and a GradScaler",
         hint="zero the gradients, run the forward and the loss under autocast, then scale, backward, step, update",
     )
@@ -142,8 +146,12 @@ PARAMETERS = 6
     notebook=NOTEBOOK,
     title="a loss scale that cannot collapse",
     hint=(
-        "after scaler.step(optimizer) and scaler.update(), read scaler.get_scale(); when it is below floor, call "
-        "scaler.update(float(floor)), which sets the scale to that value"
+        "feed NaN gradients for a while: where does the scale end up?",
+        "each skipped step halves the scale; after the scaler's update, read the scale and lift it when it falls under the floor",
+        (
+            "after scaler.step(optimizer) and scaler.update(), read scaler.get_scale(); when it is below floor, call "
+            "scaler.update(float(floor)), which sets the scale to that value"
+        ),
     ),
     planted="the scale was allowed to reach 0",
 )

@@ -1,19 +1,18 @@
 """Checks for the exercises of 11_compile_drift (cases H1 and H2).
 
 11.1 asks for a gradient comparison at a float32 tolerance (the planted bug demands exact equality,
-so a sum taken in another order "fails"). 11.2 asks to keep one module out of `torch.compile`
-(the planted bug sets `module._compiled = False`, which torch never reads). The 11.2 fixture
-compiles with a backend that only records the graphs dynamo captures, so no code is generated.
+so a sum taken in another order "fails"). 11.2 asks to keep one layer of an `nn.Sequential` out
+of `torch.compile` while the rest is compiled (the planted bug disables the layer's forward inside
+the container, the trap case H2 shows: dynamo then gives up on the whole container). The 11.2
+fixture compiles with a backend that only records the graphs dynamo captures, so no code is generated.
 """
 
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from labkit.exercises import NotYet, exercise
@@ -29,8 +28,12 @@ NOTEBOOK = "11_compile_drift"
     notebook=NOTEBOOK,
     title="compare gradients at the right tolerance",
     hint=(
-        "compare in float64 with torch.allclose(got.double(), ref.double(), rtol=..., atol=...), with atol scaled "
-        "to the tensor's largest |entry| (for example 1e-5 * ref.abs().max()), after checking names and shapes"
+        "which tolerance does your comparison use, and how big are the entries compared against it?",
+        "float32 rounding scales with the size of the values; an absolute tolerance must scale with the largest |entry|",
+        (
+            "compare in float64 with torch.allclose(got.double(), ref.double(), rtol=..., atol=...), with atol scaled "
+            "to the tensor's largest |entry| (for example 1e-5 * ref.abs().max()), after checking names and shapes"
+        ),
     ),
     planted="is a match, but grads_match returned False",
 )
@@ -99,67 +102,62 @@ def _comparison_cases(rounded, reference) -> list[tuple[str, dict, bool]]:
 @exercise(
     "11.2",
     notebook=NOTEBOOK,
-    title="keep one module out of compilation",
+    title="keep one layer of an nn.Sequential out of compilation",
     hint=(
-        "torch never reads a _compiled attribute; wrap the module's forward with torch.compiler.disable "
-        "(module.forward = torch.compiler.disable(module.forward)) and return the module"
+        "count the graphs compile captured and which layers' weights are in them: is anything captured at all?",
+        "a disabled layer inside an nn.Sequential breaks the graph inside the container's loop, and dynamo then "
+        "gives up on the whole container: compile the layers around the excluded one as containers of their own",
+        (
+            "slice the Sequential: return nn.Sequential(compile(model[:index]), model[index], compile(model[index + 1:])) "
+            "(leaving out an empty slice), so the excluded layer sits between two compiled parts"
+        ),
     ),
-    planted="torch.compile still captured the excluded module's linear",
+    planted="no layer was captured",
 )
-def check_exclude_from_compile(exclude_from_compile: Callable) -> str:
-    """The excluded layer's ops must be in no captured graph; the rest must be; results must equal eager."""
-    model = _TwoLayers()
+def check_compile_around(compile_around: Callable) -> str:
+    """The excluded layer's weights must be in no captured graph, every other layer's in one; results equal eager."""
+    model = _layers()
     eager = copy.deepcopy(model)
-    returned = exclude_from_compile(model.head)
-    if not isinstance(returned, nn.Module):
-        raise NotYet(f"exclude_from_compile returned a {type(returned).__name__}, not the module",
-                     hint="change the module you are given and return it")
-    model.head = returned
-    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
-    ops, output = _captured(model, x)
-    head_ops = [op for path, op in ops if path.startswith("head")]
-    if head_ops:
-        raise NotYet(f"torch.compile still captured the excluded module's {', '.join(head_ops)}")
-    if not any(path.startswith("hidden") for path, _ in ops):
-        raise NotYet("torch.compile captured nothing of the rest of the model: exclude only the module you are given")
-    eager_output = eager(x)
-    eager_output.sum().backward()
-    if not torch.equal(output, eager_output):
-        raise NotYet("the compiled model's output differs from the eager model's")
-    for (name, param), eager_param in zip(model.named_parameters(), eager.parameters()):
-        if param.grad is None or not torch.equal(param.grad, eager_param.grad):
-            raise NotYet(f"the gradient of {name} differs from eager PyTorch's")
-    return "torch.compile captured the rest of the model but none of the excluded module, and results equal eager"
-
-
-class _TwoLayers(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.hidden = nn.Linear(8, 16)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(F.relu(self.hidden(x)))
-
-
-def _captured(model: nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, str]], torch.Tensor]:
-    """Compile with a backend that records dynamo's graphs and runs them as they are; forward and backward."""
-    graphs = []
+    graphs: list[set[int]] = []
 
     def recording_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
+        graphs.append({id(tensor) for tensor in [*example_inputs, *graph_module.parameters()]})
         return graph_module.forward
 
     # A fresh dynamo cache, so that earlier compilations of this forward cannot hit the recompile limit.
     torch.compiler.reset()
-    output = torch.compile(model, backend=recording_backend)(x)
+    returned = compile_around(model, EXCLUDED, lambda module: torch.compile(module, backend=recording_backend))
+    if not isinstance(returned, nn.Module):
+        raise NotYet(f"compile_around returned a {type(returned).__name__}, not a module",
+                     hint="return a module (an nn.Sequential of the compiled and eager parts, say)")
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    output = returned(x)
     output.sum().backward()
-    ops = []
-    for graph_module in graphs:
-        for node in graph_module.graph.nodes:
-            if node.op.startswith("call_"):
-                stack = list((node.meta.get("nn_module_stack") or {}).values())
-                path = re.sub(r"^L\['self'\]\.?", "", stack[-1][0]) if stack else ""
-                ops.append((path, getattr(node.target, "__name__", str(node.target))))
-    return ops, output.detach()
+    captured = set().union(*graphs)
+    in_graph = {index: any(id(p) in captured for p in layer.parameters())
+                for index, layer in enumerate(model) if any(True for _ in layer.parameters())}
+    if not any(in_graph.values()):
+        raise NotYet(f"torch.compile captured {len(graphs)} graph(s) and no layer was captured: the whole model "
+                     "ran eagerly")
+    if in_graph[EXCLUDED]:
+        raise NotYet(f"torch.compile still captured the excluded layer {EXCLUDED} ({type(model[EXCLUDED]).__name__})")
+    missed = [index for index, inside in in_graph.items() if not inside and index != EXCLUDED]
+    if missed:
+        raise NotYet(f"layers {missed} ran eagerly too: only layer {EXCLUDED} should stay out of compilation")
+    eager_output = eager(x)
+    eager_output.sum().backward()
+    if not torch.equal(output.detach(), eager_output.detach()):
+        raise NotYet("the returned module's output differs from the original model's")
+    for (name, param), eager_param in zip(model.named_parameters(), eager.parameters()):
+        if param.grad is None or not torch.equal(param.grad, eager_param.grad):
+            raise NotYet(f"the gradient of layer {name} differs from eager PyTorch's")
+    return (f"the captured graphs hold every layer but layer {EXCLUDED}, which ran eagerly, and the "
+            "output and gradients equal eager PyTorch's")
+
+
+EXCLUDED = 2
+
+
+def _layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -2,22 +2,21 @@
 
 12.1 asks for the gradient that data-parallel devices with gradient accumulation apply, simulated
 in one process (the planted bug divides by the accumulation steps only, as each real rank does, and
-so forgets that the all-reduce averages over devices). 12.2 asks for the expected squared distance
-between a batch's mean gradient and the full gradient (the planted bug gives the noise of a summed
-gradient, which grows with the batch). Both fixtures are tiny float64 problems with exact answers.
+so forgets that the all-reduce averages over devices). 12.2 turns J2's noise formula around: the
+smallest batch whose expected squared noise E||g_B - g||^2 reaches a target (the planted bug uses
+s2 / B, the noise of rows drawn with replacement, and asks for too large a batch). Both fixtures are tiny float64 problems with exact answers.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -35,8 +34,12 @@ TOLERANCE = 1e-10
     notebook=NOTEBOOK,
     title="the gradient of a global batch",
     hint=(
-        "the global batch is devices × accumulation_steps micro-batches, and the update is their average: "
-        "divide each micro-batch's mean loss by devices * accumulation_steps"
+        "count the micro-batches that make one global batch: how many losses are averaged?",
+        "the update is the mean over devices * accumulation_steps micro-batches",
+        (
+            "the global batch is devices × accumulation_steps micro-batches, and the update is their average: "
+            "divide each micro-batch's mean loss by devices * accumulation_steps"
+        ),
     ),
     planted="the micro-batch losses were added where they should be averaged",
 )
@@ -102,7 +105,7 @@ def _require_gradient(model: nn.Module, expected: tuple, devices: int, steps: in
     difference = _max_difference(grads, list(expected))
     if difference > TOLERANCE:
         raise NotYet(
-            f"with {devices} devices × {steps} steps .grad differs by {difference:.2g} from the gradient of "
+            f"with {devices} devices × {steps} steps .grad differs {by_how_much(difference)} from the gradient of "
             f"F.cross_entropy(model(x), y) over all {ROWS} rows"
         )
 
@@ -114,29 +117,67 @@ def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> fl
 @exercise(
     "12.2",
     notebook=NOTEBOOK,
-    title="the noise of a batch gradient",
+    title="the batch size that reaches a noise target",
     hint=(
-        "with s2 = mean over rows of ||g_i - g||^2, a mean over B rows drawn without replacement from N has "
-        "E||g_B - g||^2 = s2 * (N - B) / (B * (N - 1))"
+        "try your answer at the largest batch, B = N: how much noise does the mean over all N rows have?",
+        "the noise of a batch mean is s2 / B only when rows may repeat; a batch drawn without replacement has "
+        "the finite-population factor (N - B) / (N - 1), and the target compares squared quantities",
+        (
+            "with s2 = mean over rows of ||g_i - g||^2, E||g_B - g||^2 = s2 * (N - B) / (B * (N - 1)); return the "
+            "smallest B in 1..N for which that is at most ratio * ||g||^2"
+        ),
     ),
-    planted="B² times too much",
+    planted="the answer for rows drawn with replacement",
 )
-def check_expected_gradient_noise(expected_gradient_noise: Callable) -> str:
-    """Each batch size's answer must match the average over every possible batch, enumerated exactly."""
+def check_batch_for_noise(batch_for_noise: Callable) -> str:
+    """For targets just above each batch size's exact noise, the answer must be that batch size."""
     per_sample = _per_sample_fixture()
     rows = len(per_sample)
     full = per_sample.mean(0)
+    signal = full.pow(2).sum().item()
     spread = (per_sample - full).pow(2).sum(1).mean().item()
-    for batch in range(1, rows + 1):
-        exact = _enumerated_noise(per_sample, batch)
-        got = _as_float(expected_gradient_noise(per_sample.clone(), batch), batch)
-        if math.isclose(got, exact, rel_tol=1e-9, abs_tol=1e-12):
-            continue
-        raise NotYet(_diagnose(got, exact, batch, rows, spread))
+    exact = {batch: _enumerated_noise(per_sample, batch) for batch in range(1, rows + 1)}
+    # Noise falls with B; a target just above B's noise (and below B - 1's) has the answer B.
+    targets = [(exact[batch] / signal + MARGIN, batch) for batch in range(1, rows + 1)]
+    for ratio, expected in reversed(targets):
+        got = _as_batch(batch_for_noise(per_sample.clone(), ratio), ratio)
+        if got != expected:
+            raise NotYet(_diagnose(got, expected, ratio, rows, spread, signal, exact))
     return (
-        f"for every batch size from 1 to {rows} the answer equals the average of ||g_B - g||^2 over all "
-        "possible batches, down to 0 for the whole set"
+        f"for targets between {targets[-1][0]:.2g} and {targets[0][0]:.2g} x ||g||^2 your batch sizes match the "
+        f"exact noise of every batch of {rows} rows drawn without replacement, down to B = {rows} for a target just above 0"
     )
+
+
+# Targets sit this far (in units of ||g||^2) above a batch size's exact noise, so rounding cannot flip an answer.
+MARGIN = 1e-9
+
+
+def _as_batch(value: object, ratio: float) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise NotYet(f"for ratio {ratio:.3g} you returned a {type(value).__name__}, not a whole batch size")
+    return value
+
+
+def _diagnose(got: int | None, expected: int, ratio: float, rows: int, spread: float, signal: float,
+              exact: dict[int, float]) -> str:
+    where = (f"for a target of {ratio:.3g} x ||g||^2 you answered {got}, but B = {expected} is the smallest batch "
+             f"whose expected noise ({exact[expected]:.3g}) is at most {ratio * signal:.3g}")
+    with_replacement = next((b for b in range(1, rows + 1) if spread / b <= ratio * signal), None)
+    if got == with_replacement:
+        return where + (" (that is the answer for rows drawn with replacement, s2 / B: a batch never repeats a row, "
+                        f"so its noise falls faster, to 0 at B = {rows})")
+    unsquared = next((b for b in range(1, rows + 1) if exact[b] <= ratio**2 * signal), None)
+    if got == unsquared:
+        return where + (" (that answers the target for the unsquared noise, ||g_B - g|| <= ratio * ||g||: the "
+                        "target here compares the squared noise with ratio * ||g||^2)")
+    return where
 
 
 def _per_sample_fixture() -> torch.Tensor:
@@ -150,22 +191,3 @@ def _enumerated_noise(per_sample: torch.Tensor, batch: int) -> float:
     batches = list(itertools.combinations(range(len(per_sample)), batch))
     total = sum((per_sample[list(rows)].mean(0) - full).pow(2).sum().item() for rows in batches)
     return total / len(batches)
-
-
-def _as_float(value: object, batch: int) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise NotYet(f"for batch size {batch} you returned a tensor of shape {tuple(value.shape)}, not one number")
-        value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise NotYet(f"for batch size {batch} you returned a {type(value).__name__}, not a number")
-    return float(value)
-
-
-def _diagnose(got: float, exact: float, batch: int, rows: int, spread: float) -> str:
-    where = f"for batches of {batch} out of {rows} rows you gave {got:.4g}, but the exact average is {exact:.4g}"
-    if math.isclose(got, exact * batch**2, rel_tol=1e-6):
-        return where + " (B² times too much: that is the noise of a summed gradient, which grows with the batch)"
-    if math.isclose(got, spread / batch, rel_tol=1e-6):
-        return where + " (s2 / B is the noise of rows drawn with replacement; a batch never repeats a row)"
-    return where

@@ -2,8 +2,10 @@
 
 13.1 asks for a validation loss that keeps no batch's autograd graph alive once the next batch has
 started (the planted bug adds each loss tensor into a running total, so every graph and its saved
-activations live until the end). 13.2 asks for a forward that checkpoints whole blocks (the planted
-bug checkpoints only the activation function, the article's K4 approach, and saves nothing). Both
+activations live until the end). 13.2 asks for a forward that checkpoints segments of several blocks,
+so that only each segment's input is kept (the planted bug checkpoints only the activation function,
+the article's K4 approach, and saves nothing; checkpointing every block, the notebook's fix, keeps
+one input per block). Both
 checks watch what autograd saves through `torch.autograd.graph.saved_tensors_hooks`.
 """
 
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -25,12 +27,20 @@ __all__: list[str] = []
 NOTEBOOK = "13_memory"
 FEATURES, HIDDEN, CLASSES = 8, 32, 4
 BATCHES, ROWS = 5, 6
-BLOCKS, BLOCK_WIDTH, BLOCK_HIDDEN, BLOCK_ROWS = 3, 16, 64, 8
+BLOCKS, BLOCK_WIDTH, BLOCK_HIDDEN, BLOCK_ROWS = 6, 16, 64, 8
+# Segment lengths the check tries: 6 blocks in 3 segments of 2, and in segments of 4 and 2 (a short last one).
+SEGMENT_LENGTHS = (2, 4)
 TOLERANCE = 1e-12
 
 
 class _SavedTensor:
-    """What our pack hook stores in the graph instead of the tensor: it dies when the graph does."""
+    """What our pack hook stores in the graph instead of the tensor: it dies when the graph does.
+
+    It holds a detached alias, never the tensor it was given: for an op that saves its own output
+    (Tanh), that tensor's grad_fn is the node holding this object, and the cycle
+    tensor -> grad_fn -> saved variable -> _SavedTensor -> tensor runs through C++, where gc cannot
+    break it, so the check itself would keep every graph alive.
+    """
 
     __slots__ = ("tensor", "batch", "__weakref__")
 
@@ -43,8 +53,12 @@ class _SavedTensor:
     notebook=NOTEBOOK,
     title="a validation loss that frees its graphs",
     hint=(
-        "compute the losses under torch.no_grad() and add loss.item() (a Python float) to the total: a "
-        "running total of loss tensors keeps every batch's graph and its saved activations alive"
+        "watch what your running total holds: a tensor keeps the graph that made it",
+        "a Python float holds no graph; computing the losses without recording a graph saves the activations too",
+        (
+            "compute the losses under torch.no_grad() and add loss.item() (a Python float) to the total: a "
+            "running total of loss tensors keeps every batch's graph and its saved activations alive"
+        ),
     ),
     planted="the autograd graph of batch 1 was still alive",
 )
@@ -64,7 +78,7 @@ def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
             stale.append((batch_index[0], min(older)))
 
     def pack(tensor: torch.Tensor) -> _SavedTensor:
-        held = _SavedTensor(tensor, batch_index[0])
+        held = _SavedTensor(tensor.detach(), batch_index[0])
         alive.add(held)
         return held
 
@@ -109,19 +123,37 @@ def _require_mean(result: object, expected: float) -> None:
 @exercise(
     "13.2",
     notebook=NOTEBOOK,
-    title="checkpoint whole blocks",
+    title="checkpoint segments of blocks",
     hint=(
-        "wrap each block, not its activation: x = torch.utils.checkpoint.checkpoint(block, x, "
-        "use_reentrant=False), so that only the block's input is kept and its inside is recomputed"
+        "count what autograd saves: is the inside of each block still saved, and how many inputs are kept?",
+        "checkpoint a whole group of blocks at once: autograd then keeps only the group's input, and recomputes "
+        "the group's inside in backward",
+        (
+            "for each start in range(0, len(blocks), blocks_per_segment), run blocks[start:start + "
+            "blocks_per_segment] inside one torch.utils.checkpoint.checkpoint(run_segment, x, use_reentrant=False), "
+            "where run_segment applies those blocks in turn"
+        ),
     ),
     planted="the inside of each block is still saved",
 )
 def check_checkpointed_forward(checkpointed_forward: Callable) -> str:
-    """Same output and gradients as the plain forward, with only block boundaries saved."""
+    """Same output and gradients as the plain forward, with only each segment's input saved."""
     blocks, x = _blocks_fixture()
     plain_output = _plain_forward(blocks, x)
     plain_grads = torch.autograd.grad(plain_output.square().sum(), list(blocks.parameters()))
     plain_saved = _saved_bytes(lambda: _plain_forward(blocks, x))
+    kept = {}
+    for per_segment in SEGMENT_LENGTHS:
+        kept[per_segment] = _checked_segments(checkpointed_forward, blocks, x, per_segment, plain_output, plain_grads)
+    kept_text = " and ".join(f"{saved:,} B with segments of {length}" for length, saved in kept.items())
+    return (
+        f"output and gradients match the plain forward, and for {len(blocks)} blocks autograd kept {kept_text}, "
+        f"against {plain_saved:,} B without checkpointing"
+    )
+
+
+def _checked_segments(checkpointed_forward: Callable, blocks: nn.ModuleList, x: torch.Tensor, per_segment: int,
+                      plain_output: torch.Tensor, plain_grads: tuple) -> int:
     saved: list[int] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,26 +161,30 @@ def check_checkpointed_forward(checkpointed_forward: Callable) -> str:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output = checkpointed_forward(blocks, x)
+        output = checkpointed_forward(blocks, x, per_segment)
     _require_same_output(output, plain_output)
     if not output.requires_grad:
         raise NotYet(
             "the output does not require grad, so no parameter gets a gradient (reentrant checkpoint, "
             "use_reentrant=True, behaves so when the input does not require grad)",
-            hint="use torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)",
+            hint="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)",
         )
     grads = torch.autograd.grad(output.square().sum(), list(blocks.parameters()), allow_unused=True)
     _require_same_gradients(grads, plain_grads)
-    boundaries = BLOCKS * x.untyped_storage().nbytes()
-    if sum(saved) > boundaries:
+    input_bytes = x.untyped_storage().nbytes()
+    segments = math.ceil(len(blocks) / per_segment)
+    if sum(saved) > len(blocks) * input_bytes:
         raise NotYet(
-            f"autograd kept {sum(saved):,} B for backward, against {plain_saved:,} B without checkpointing and "
-            f"{boundaries:,} B for the {BLOCKS} block inputs alone: the inside of each block is still saved"
+            f"with segments of {per_segment}, autograd kept {sum(saved):,} B for backward, against "
+            f"{len(blocks) * input_bytes:,} B for the {len(blocks)} block inputs alone: the inside of each block "
+            "is still saved"
         )
-    return (
-        f"output and gradients match the plain forward, and autograd kept {sum(saved):,} B instead of "
-        f"{plain_saved:,} B"
-    )
+    if sum(saved) > segments * input_bytes:
+        raise NotYet(
+            f"with segments of {per_segment} blocks, autograd kept {sum(saved):,} B, one input per block, but "
+            f"only the {segments} segment inputs ({segments * input_bytes:,} B) need to be kept"
+        )
+    return sum(saved)
 
 
 def _blocks_fixture() -> tuple[nn.ModuleList, torch.Tensor]:
@@ -188,7 +224,7 @@ def _require_same_output(output: object, expected: torch.Tensor) -> None:
         raise NotYet(f"the output has shape {tuple(output.shape)}, but the blocks give {tuple(expected.shape)}")
     difference = (output.detach() - expected.detach()).abs().max().item()
     if difference > TOLERANCE:
-        raise NotYet(f"the output differs by {difference:.2g} from running the blocks one after another")
+        raise NotYet(f"the output differs {by_how_much(difference)} from running the blocks one after another")
 
 
 def _require_same_gradients(grads: tuple, expected: tuple) -> None:
@@ -196,4 +232,4 @@ def _require_same_gradients(grads: tuple, expected: tuple) -> None:
         raise NotYet("some parameters get no gradient from your output: every block must stay in the graph")
     difference = max((g - e).abs().max().item() for g, e in zip(grads, expected))
     if difference > 1e-10:
-        raise NotYet(f"the gradients differ by {difference:.2g} from those of the plain forward")
+        raise NotYet(f"the gradients differ {by_how_much(difference)} from those of the plain forward")

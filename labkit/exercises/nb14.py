@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-import numpy as np
+import torch
 
 from labkit.exercises import NotYet, exercise
 
@@ -26,61 +26,66 @@ EPOCH_BASE_SEEDS = (8_912_345_678_901_234_567, 3_141_592_653_589_793_238)
 
 
 class _AugmentingDataset:
-    """What the learner's function receives: a dataset owning a NumPy generator, as in the notebook."""
+    """What the learner's function receives: a dataset owning a torch.Generator for its augmentation."""
 
     def __init__(self) -> None:
-        self.images = np.zeros((4, 2))
-        self.rng = np.random.default_rng(0)
+        self.images = torch.zeros(4, 2)
+        self.generator = torch.Generator().manual_seed(0)
 
 
 @exercise(
     "14.1",
     notebook=NOTEBOOK,
-    title="a random stream per worker",
+    title="a random stream per worker, for a dataset that owns a torch.Generator",
     hint=(
-        "replace the dataset's generator: dataset.rng = np.random.default_rng(worker_seed); seeding NumPy's "
-        "global state leaves dataset.rng as every worker copied it"
+        "print the first number each worker draws from dataset.generator: are they different?",
+        "each worker gets a copy of the dataset's generator in the same state; seeding torch's global "
+        "generator (which the DataLoader already does per worker) leaves that copy alone",
+        (
+            "seed the dataset's own generator from the worker's seed: dataset.generator.manual_seed(worker_seed), "
+            "or give it a new one, dataset.generator = torch.Generator().manual_seed(worker_seed)"
+        ),
     ),
-    planted="drew the same numbers from dataset.rng",
+    planted="drew the same numbers from dataset.generator",
 )
-def check_seed_dataset_rng(seed_dataset_rng: Callable) -> str:
+def check_seed_dataset_generator(seed_dataset_generator: Callable) -> str:
     """Per-worker copies must draw different numbers, per epoch too, and the same seed must repeat."""
     draws = {}
     for epoch, base_seed in enumerate(EPOCH_BASE_SEEDS):
         for worker in range(WORKERS):
-            draws[epoch, worker] = _worker_draws(seed_dataset_rng, base_seed + worker)
+            draws[epoch, worker] = _worker_draws(seed_dataset_generator, base_seed + worker)
     _require_distinct(draws)
-    again = _worker_draws(seed_dataset_rng, EPOCH_BASE_SEEDS[0])
-    if not np.array_equal(again, draws[0, 0]):
+    again = _worker_draws(seed_dataset_generator, EPOCH_BASE_SEEDS[0])
+    if not torch.equal(again, draws[0, 0]):
         raise NotYet(
             "the same worker seed gave different numbers on a second run, so a run cannot be reproduced",
-            hint="derive the generator from worker_seed alone, not from the clock or fresh OS entropy",
+            hint="derive the generator's state from worker_seed alone, not from the clock or fresh OS entropy",
         )
     return (
         f"{WORKERS} workers over {len(EPOCH_BASE_SEEDS)} epochs drew {WORKERS * len(EPOCH_BASE_SEEDS)} different "
-        "streams, and the same seed repeats its stream"
+        "streams from their dataset's torch.Generator, and the same seed repeats its stream"
     )
 
 
-def _worker_draws(seed_dataset_rng: Callable, worker_seed: int) -> np.ndarray:
+def _worker_draws(seed_dataset_generator: Callable, worker_seed: int) -> torch.Tensor:
     """Fork a worker's copy of the dataset, let the learner seed it, draw from its generator."""
     copied = copy.deepcopy(_AugmentingDataset())
-    seed_dataset_rng(copied, worker_seed)
-    rng = getattr(copied, "rng", None)
-    if not callable(getattr(rng, "random", None)):
+    seed_dataset_generator(copied, worker_seed)
+    generator = getattr(copied, "generator", None)
+    if not isinstance(generator, torch.Generator):
         raise NotYet(
-            f"after your function, dataset.rng is a {type(rng).__name__}, not a NumPy generator",
-            hint="assign a generator: dataset.rng = np.random.default_rng(worker_seed)",
+            f"after your function, dataset.generator is a {type(generator).__name__}, not a torch.Generator",
+            hint="keep a torch.Generator there; seed it with its manual_seed method",
         )
-    return np.asarray(rng.random(DRAWS))
+    return torch.rand(DRAWS, generator=generator)
 
 
-def _require_distinct(draws: dict[tuple[int, int], np.ndarray]) -> None:
+def _require_distinct(draws: dict[tuple[int, int], torch.Tensor]) -> None:
     keys = list(draws)
     for i, first in enumerate(keys):
         for second in keys[i + 1:]:
-            if np.array_equal(draws[first], draws[second]):
-                raise NotYet(f"{_label(first)} and {_label(second)} drew the same numbers from dataset.rng")
+            if torch.equal(draws[first], draws[second]):
+                raise NotYet(f"{_label(first)} and {_label(second)} drew the same numbers from dataset.generator")
 
 
 def _label(key: tuple[int, int]) -> str:
@@ -96,8 +101,12 @@ SHARDING_CASES = ((0, 12, 2), (0, 10, 3), (5, 12, 2), (0, 2, 4), (7, 8, 1), (3, 
     notebook=NOTEBOOK,
     title="each item once, whatever the number of workers",
     hint=(
-        "give each worker a different part of range(start, end), for example every num_workers-th item "
-        "starting at start + worker_id"
+        "with 2 workers, which items does each worker yield? do they overlap?",
+        "torch.utils.data.get_worker_info() tells each worker its id and the number of workers",
+        (
+            "give each worker a different part of range(start, end), for example every num_workers-th item "
+            "starting at start + worker_id"
+        ),
     ),
     planted="came more than once",
 )

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -121,8 +121,13 @@ class _LockstepRanks:
 
 
 _COLLECTIVE_HINT = (
-    "call all_reduce_sum once for every parameter, in the same order on every rank, passing "
-    "torch.zeros_like(parameter) where this rank's .grad is None: DDP's find_unused_parameters does the same"
+    "count the all_reduce_sum calls each rank makes: a rank that skipped a layer has one .grad fewer",
+    "a collective pairs the n-th call of every rank, so every rank must make the same calls in the same order, "
+    "even for a parameter whose .grad is None",
+    (
+        "call all_reduce_sum once for every parameter, in the same order on every rank, passing "
+        "torch.zeros_like(parameter) where this rank's .grad is None: DDP's find_unused_parameters does the same"
+    ),
 )
 
 
@@ -207,7 +212,7 @@ def _require_mean(grad: torch.Tensor | None, expected: torch.Tensor, name: str, 
             f"{name}'s gradient on rank {rank} is the sum over the ranks, {WORLD_SIZE} times the average",
             hint="divide the summed gradient by world_size",
         )
-    raise NotYet(f"{name}'s gradient on rank {rank} differs by {difference:.2g} from the mean over the ranks")
+    raise NotYet(f"{name}'s gradient on rank {rank} differs {by_how_much(difference)} from the mean over the ranks")
 
 
 # ---- 15.2 -------------------------------------------------------------------------------------
@@ -221,37 +226,43 @@ RESHUFFLE_CHECKED_FROM = 32
 @exercise(
     "15.2",
     notebook=NOTEBOOK,
-    title="a different shuffle every epoch, a different shard every rank",
+    title="shard files per rank and per epoch, without a sampler",
     hint=(
-        "a DistributedSampler shuffles with seed + the epoch it was given by sampler.set_epoch(epoch); "
-        "without that call every epoch repeats epoch 0's order"
+        "print each rank's shards for one epoch: do the ranks together read every shard exactly once (up to "
+        "padding)? and do two epochs differ?",
+        "every rank must compute the same permutation (so that their slices do not overlap), and a different one "
+        "each epoch: that is what DistributedSampler's seed + epoch does",
+        (
+            "shuffle with torch.randperm(num_shards, generator=torch.Generator().manual_seed(seed + epoch)) on every "
+            "rank, pad the order to a multiple of world_size by repeating its start, and take order[rank::world_size]"
+        ),
     ),
-    planted="got the same indices in the same order in epochs 0 and 1",
+    planted="no rank reads",
 )
-def check_rank_indices(rank_indices: Callable) -> str:
-    """Shards must cover the data with equal lengths, repeat for a seed, and change with the epoch."""
-    for samples, world_size in SAMPLER_CASES:
+def check_rank_shards(rank_shards: Callable) -> str:
+    """Shards must cover the files with equal lengths, repeat for a seed, and change with the epoch."""
+    for shards_total, world_size in SAMPLER_CASES:
         per_epoch = []
         for epoch in range(EPOCHS):
-            shards = [_indices(rank_indices, samples, rank, world_size, epoch) for rank in range(world_size)]
-            _require_shards(shards, samples, world_size, epoch)
-            again = _indices(rank_indices, samples, 0, world_size, epoch)
+            shards = [_indices(rank_shards, shards_total, rank, world_size, epoch) for rank in range(world_size)]
+            _require_shards(shards, shards_total, world_size, epoch)
+            again = _indices(rank_shards, shards_total, 0, world_size, epoch)
             if again != shards[0]:
-                raise NotYet(f"two calls for rank 0, epoch {epoch} and the same seed gave different indices",
+                raise NotYet(f"two calls for rank 0, epoch {epoch} and the same seed gave different shards",
                              hint="derive the order from seed and epoch only, so that a run can be repeated")
             per_epoch.append(shards[0])
-        if samples >= RESHUFFLE_CHECKED_FROM:
-            _require_reshuffle(per_epoch, samples, world_size)
-    return (f"in {len(SAMPLER_CASES)} set-ups the ranks cover every sample with equal shares, the same seed "
+        if shards_total >= RESHUFFLE_CHECKED_FROM:
+            _require_reshuffle(per_epoch, shards_total, world_size)
+    return (f"in {len(SAMPLER_CASES)} set-ups the ranks read every shard with equal shares, the same seed "
             f"repeats, and each of {EPOCHS} epochs is shuffled differently")
 
 
-def _indices(rank_indices: Callable, samples: int, rank: int, world_size: int, epoch: int) -> list[int]:
-    returned = rank_indices(samples, rank, world_size, epoch, 7)
+def _indices(rank_shards: Callable, shards_total: int, rank: int, world_size: int, epoch: int) -> list[int]:
+    returned = rank_shards(shards_total, rank, world_size, epoch, 7)
     try:
         return [int(index) for index in returned]
     except TypeError:
-        raise NotYet(f"rank_indices returned a {type(returned).__name__}, not a list of indices") from None
+        raise NotYet(f"rank_shards returned a {type(returned).__name__}, not a list of shard numbers") from None
 
 
 def _require_shards(shards: list[list[int]], samples: int, world_size: int, epoch: int) -> None:
@@ -259,22 +270,23 @@ def _require_shards(shards: list[list[int]], samples: int, world_size: int, epoc
     lengths = [len(shard) for shard in shards]
     if len(set(lengths)) > 1:
         raise NotYet(
-            f"with {samples} samples on {world_size} ranks in epoch {epoch}, the ranks got {lengths} indices: "
+            f"with {samples} shards on {world_size} ranks in epoch {epoch}, the ranks got {lengths} shards: "
             "they would run different numbers of steps, and the last collective would wait forever",
-            hint=f"give every rank {share} indices, repeating a few samples to pad (DistributedSampler does)",
+            hint=f"give every rank {share} shards, repeating a few to pad (DistributedSampler does the same)",
         )
     covered = {index for shard in shards for index in shard}
     if covered != set(range(samples)):
         missing = sorted(set(range(samples)) - covered)
-        raise NotYet(f"with {samples} samples on {world_size} ranks in epoch {epoch}, no rank trains on {missing[:5]}"
-                     if missing else f"the ranks got indices outside range({samples})")
+        raise NotYet(f"with {samples} shards on {world_size} ranks in epoch {epoch}, no rank reads shards "
+                     f"{missing[:5]}, while others are read twice: the ranks did not slice one common order"
+                     if missing else f"the ranks got shard numbers outside range({samples})")
     if lengths[0] > share:
-        raise NotYet(f"with {samples} samples on {world_size} ranks, each rank got {lengths[0]} indices, "
-                     f"more than the {share} needed: the ranks repeat each other's samples")
+        raise NotYet(f"with {samples} shards on {world_size} ranks, each rank got {lengths[0]} shards, "
+                     f"more than the {share} needed: the ranks repeat each other's shards")
 
 
 def _require_reshuffle(per_epoch: list[list[int]], samples: int, world_size: int) -> None:
     for epoch in range(1, len(per_epoch)):
         if per_epoch[epoch] == per_epoch[epoch - 1]:
-            raise NotYet(f"with {samples} samples on {world_size} ranks, rank 0 got the same indices in the same "
+            raise NotYet(f"with {samples} shards on {world_size} ranks, rank 0 got the same shards in the same "
                          f"order in epochs {epoch - 1} and {epoch}")

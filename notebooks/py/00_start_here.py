@@ -295,6 +295,11 @@ claims.table()
 # `F.mse_loss(model(x), y)` and return that loss, measured before the step, as a Python float.
 # The version below looks right and runs without complaint, but it trusts `.grad` to start empty
 # on every step, and claim Z1 says it does not.
+#
+# Where does `zero_grad()` go? Notebook 02 (case B2) shows that calling it *after* `step()` gives
+# the same parameters as calling it before `backward()`, but only when `.grad` is empty before the
+# first step. This check leaves an old gradient in `.grad` first (as after someone inspected the
+# gradients), so only "clear, then backward" is right for every step, the first included.
 
 # %%
 # planted bug for exercise 00.1
@@ -342,15 +347,16 @@ grading.check("00.1", one_training_step)
 # %% [markdown]
 # ### Exercise 00.2: one gradient per call
 # `grad_of_each_call(w, inputs)` should return, for each `x` in `inputs`, the gradient of
-# `(w * x).sum()` with respect to the one leaf tensor `w`, as if that call were the only one.
+# `torch.tanh(w * x).sum()` with respect to the one leaf tensor `w`, as if that call were the only
+# one. Let autograd do the calculus: the lesson is where its gradients go.
 
 # %%
 # planted bug for exercise 00.2
 def grad_of_each_call(w, inputs):
-    """The gradient of (w * x).sum() with respect to w, separately for each x in inputs."""
+    """The gradient of torch.tanh(w * x).sum() with respect to w, separately for each x in inputs."""
     grads = []
     for x in inputs:
-        (w * x).sum().backward()
+        torch.tanh(w * x).sum().backward()
         grads.append(w.grad)
     return grads
 
@@ -367,11 +373,11 @@ print("the same tensor twice:", grads[0] is grads[1])
 # %% nbgrader={"grade": false, "grade_id": "exercise_00_2", "locked": false, "schema_version": 3, "solution": true}
 # exercise 00.2
 def grad_of_each_call(w, inputs):
-    """The gradient of (w * x).sum() with respect to w, separately for each x in inputs."""
+    """The gradient of torch.tanh(w * x).sum() with respect to w, separately for each x in inputs."""
     ### BEGIN SOLUTION
     grads = []
     for x in inputs:
-        (gradient,) = torch.autograd.grad((w * x).sum(), w)
+        (gradient,) = torch.autograd.grad(torch.tanh(w * x).sum(), w)
         grads.append(gradient)
     return grads
     ### END SOLUTION

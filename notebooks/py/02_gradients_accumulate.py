@@ -472,7 +472,9 @@ claims.check(
 
 # %% [markdown]
 # **The fix, proven.** Call `zero_grad()` at the top of the step, or right after `step()` (the table
-# above shows both give identical parameters), never between `backward()` and `step()`; and average
+# above shows both give identical parameters, because this loop starts with empty `.grad`; if an
+# earlier backward pass left a gradient there, "after `step()`" lets it into the first step, which
+# is why exercise 00.1 asks for "at the top"), never between `backward()` and `step()`; and average
 # the loss (`reduction="mean"`, the default), so the gradient norm no longer depends on the batch:
 
 # %%

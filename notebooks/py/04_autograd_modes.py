@@ -791,92 +791,91 @@ claims.table()
 # %% [markdown]
 # ## Exercises
 #
-# ### Exercise 04.1: an actor loss that reaches the actor
-# `actor_loss(actor, critic, states)` should return the loss whose gradient trains a Gaussian
-# policy: `actor(states)` gives `(loc, log_scale)` of shape `(N, 1)` each, an action is drawn from
-# `Normal(loc, log_scale.exp())`, and the loss is minus the critic's mean score
-# `critic(states, actions).mean()`. The version below runs, but the actor never learns.
+# ### Exercise 04.1: a latent sample that the encoder can learn from
+# Case N2 showed an actor that never learns because its action came from `sample()`. A variational
+# autoencoder has the same step in another guise: its encoder returns `mu` and `log_var` (the log of
+# the variance) for each row, and the decoder reads a latent `z` drawn from `Normal(mu, std)` with
+# `std = exp(log_var / 2)`. `sample_latent(mu, log_var)` should return such a `z`, shaped like `mu`,
+# through which the gradient of any loss reaches both `mu` and `log_var`. The version below uses
+# `torch.normal`, which does record a graph node: predict what gradient it sends back before you run
+# the symptom.
 
 # %%
 # planted bug for exercise 04.1
-def actor_loss(actor, critic, states):
-    """Minus the critic's mean score of actions drawn from the actor's Gaussian policy."""
-    loc, log_scale = actor(states)
-    actions = torch.distributions.Normal(loc, log_scale.exp()).sample()
-    return -critic(states, actions).mean()
+def sample_latent(mu, log_var):
+    """z ~ Normal(mu, exp(log_var / 2)), shaped like mu, with gradients reaching mu and log_var."""
+    return torch.normal(mu, torch.exp(0.5 * log_var))
 
 
 # %%
-# The symptom: after backward, the actor's parameters hold no gradient.
-class TwoHeadedActor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(4, 2)
-
-    def forward(self, states):
-        return self.body(states).chunk(2, dim=1)
-
-
+# The symptom: z requires grad and backward runs, yet the encoder's outputs get a zero gradient.
 torch.manual_seed(seed)
-demo_actor, demo_critic = TwoHeadedActor(), nn.Bilinear(4, 1, 1)
-actor_loss(demo_actor, lambda s, a: demo_critic(s, a), torch.randn(8, 4)).backward()
-print("actor weight gradient:", demo_actor.body.weight.grad)
+demo_mu = torch.randn(4, 2, requires_grad=True)
+demo_log_var = torch.zeros(4, 2, requires_grad=True)
+z = sample_latent(demo_mu, demo_log_var)
+z.square().sum().backward()
+print(f"z requires grad: {z.requires_grad}; largest |dL/dmu| = {demo_mu.grad.abs().max().item():.3f}, "
+      f"largest |dL/dlog_var| = {demo_log_var.grad.abs().max().item():.3f}")
 
 
 # %% nbgrader={"grade": false, "grade_id": "exercise_04_1", "locked": false, "schema_version": 3, "solution": true}
 # exercise 04.1
-def actor_loss(actor, critic, states):
-    """Minus the critic's mean score of actions drawn from the actor's Gaussian policy."""
+def sample_latent(mu, log_var):
+    """z ~ Normal(mu, exp(log_var / 2)), shaped like mu, with gradients reaching mu and log_var."""
     ### BEGIN SOLUTION
-    loc, log_scale = actor(states)
-    actions = torch.distributions.Normal(loc, log_scale.exp()).rsample()
-    return -critic(states, actions).mean()
+    std = torch.exp(0.5 * log_var)
+    return mu + std * torch.randn_like(mu)
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_04_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("04.1", actor_loss)
+# %%
+grading.check("04.1", sample_latent)
 
 
 # %% [markdown]
-# ### Exercise 04.2: the final state of each padded sequence
-# `last_hidden_state(lstm, padded, lengths)` gets a one-layer, one-direction `nn.LSTM` with
-# `batch_first=True`, a zero-padded batch `(N, T, features)` and each sequence's length (a CPU
-# tensor), and should return `(N, hidden)`: each sequence's hidden state after its *own* last
-# step, as if it had run alone.
+# ### Exercise 04.2: the mean output of each padded sequence, through a bidirectional GRU
+# Case N4 packed a batch so that an LSTM's final state was each sequence's own. A classifier often
+# averages a recurrent net's outputs over time instead, and reads the sequence in both directions.
+# `mean_output(gru, padded, lengths)` gets a one-layer `nn.GRU` with `batch_first=True` and
+# `bidirectional=True`, a zero-padded batch `(N, T, features)` and each sequence's length (a CPU
+# tensor), and should return `(N, 2 * hidden)`: for each sequence, the mean of its outputs over its
+# own real steps, exactly as if it had run alone. The version below leaves the padding out of the
+# mean, which would be enough for a one-direction GRU. Why is it not enough here?
 
 # %%
 # planted bug for exercise 04.2
-def last_hidden_state(lstm, padded, lengths):
-    """Each sequence's hidden state after its own last real step, shape (N, hidden)."""
-    _, (h_n, _) = lstm(padded)
-    return h_n[-1]
+def mean_output(gru, padded, lengths):
+    """Each sequence's outputs averaged over its own real steps, as if run alone; shape (N, 2 * hidden)."""
+    outputs, _ = gru(padded)
+    real = (torch.arange(padded.shape[1])[None, :] < lengths[:, None]).to(outputs.dtype)
+    return (outputs * real[:, :, None]).sum(1) / lengths[:, None].to(outputs.dtype)
 
 
 # %%
-# The symptom: the short sequence's state is not the state it reaches on its own.
+# The symptom: the short sequence's mean output, batched and alone, for each direction.
 torch.manual_seed(seed)
-demo_lstm = nn.LSTM(2, 3, batch_first=True)
+demo_gru = nn.GRU(2, 3, batch_first=True, bidirectional=True)
 demo_sequences = [torch.randn(5, 2), torch.randn(2, 2)]
 demo_padded = pad_sequence(demo_sequences, batch_first=True)
-alone = demo_lstm(demo_sequences[1][None])[1][0][-1, 0]
-batched = last_hidden_state(demo_lstm, demo_padded, torch.tensor([5, 2]))[1]
-print(f"short sequence: largest |batched - alone| = {(batched - alone).abs().max().item():.3f}")
+alone = demo_gru(demo_sequences[1][None])[0][0].mean(0)
+batched = mean_output(demo_gru, demo_padded, torch.tensor([5, 2]))[1]
+print(f"short sequence, largest |batched - alone|: forward direction {(batched - alone)[:3].abs().max().item():.3f}, "
+      f"backward direction {(batched - alone)[3:].abs().max().item():.3f}")
 
 
 # %% nbgrader={"grade": false, "grade_id": "exercise_04_2", "locked": false, "schema_version": 3, "solution": true}
 # exercise 04.2
-def last_hidden_state(lstm, padded, lengths):
-    """Each sequence's hidden state after its own last real step, shape (N, hidden)."""
+def mean_output(gru, padded, lengths):
+    """Each sequence's outputs averaged over its own real steps, as if run alone; shape (N, 2 * hidden)."""
     ### BEGIN SOLUTION
     packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=False)
-    _, (h_n, _) = lstm(packed)
-    return h_n[-1]
+    outputs, _ = nn.utils.rnn.pad_packed_sequence(gru(packed)[0], batch_first=True)
+    return outputs.sum(1) / lengths[:, None].to(outputs.dtype)
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_04_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("04.2", last_hidden_state)
+# %%
+grading.check("04.2", mean_output)
 
 # %%
 grading.score()

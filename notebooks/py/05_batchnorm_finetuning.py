@@ -949,43 +949,52 @@ claims.table()
 
 # %% [markdown]
 # ## Exercises
-# ### Exercise 05.1: train mode, with BatchNorm frozen
-# The article's remedy has a real use: fine-tuning a *whole* network (not just a head) on small
-# batches, where batch statistics are too noisy to trust. `set_finetune_mode(model)` should put the
-# model in training mode (dropout on) while every BatchNorm layer (`BatchNorm1d`, `2d` or `3d`) stays
-# in eval mode, keeping its running statistics fixed, with its weight and bias frozen
-# (`requires_grad=False`). The training loop calls it at the start of every epoch, in place of
-# `model.train()`. The version below is the planted mistake of this notebook's reproduction.
+# ### Exercise 05.1: a pretrained backbone under a new head
+# The article's remedy has a real use: fine-tuning a *whole* network on small batches, where batch
+# statistics are too noisy to trust. Above, every BatchNorm layer was pretrained. Here the model is
+# `nn.Sequential` with two parts: `model.backbone`, pretrained (a convolution with `BatchNorm2d`), and
+# `model.head`, new and randomly initialised, with a `BatchNorm1d` of its own that has never seen data.
+# `set_finetune_mode(model, pretrained)` should put the model in training mode (dropout on) while every
+# BatchNorm layer inside the submodule named `pretrained` stays in eval mode, keeping its running
+# statistics fixed, with its weight and bias frozen; every other BatchNorm layer trains normally.
+# The training loop calls it at the start of every epoch, in place of `model.train()`. The version
+# below is the planted mistake of this notebook's reproduction. Before you copy
+# `train_with_frozen_batchnorm` from above: what would it do to the head's BatchNorm?
 
 # %%
 # planted bug for exercise 05.1
-def set_finetune_mode(model):
-    """Training mode for the model, but every BatchNorm layer in eval mode with weight and bias frozen."""
+def set_finetune_mode(model, pretrained):
+    """Training mode; BatchNorm layers inside model.<pretrained> in eval mode with weight and bias frozen."""
     model.train()
 
 
 # %%
-# The symptom: a few training forward passes on shifted data move the running statistics.
+# The symptom: a few training forward passes on shifted data move the backbone's running statistics.
 torch.manual_seed(seed)
-demo = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.1), nn.Linear(8, 2)).double()
-demo.eval()
-before = demo[1].running_mean.clone()
-set_finetune_mode(demo)
+demo = nn.Sequential()
+demo.add_module("backbone", nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU()))
+demo.add_module("head", nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Dropout(0.1),
+                                      nn.Linear(4, 2)))
+demo.double().eval()
+before = demo.backbone[1].running_mean.clone()
+set_finetune_mode(demo, "backbone")
 with torch.no_grad():
     for _ in range(3):
         demo(3.0 + torch.randn(16, 6, dtype=torch.float64))
-print(f"running mean moved by up to {(demo[1].running_mean - before).abs().max().item():.3f}; "
-      f"BatchNorm in training mode: {demo[1].training}; weight trainable: {demo[1].weight.requires_grad}")
+print(f"backbone running mean moved by up to {(demo.backbone[1].running_mean - before).abs().max().item():.3f}; "
+      f"backbone BatchNorm in training mode: {demo.backbone[1].training}; "
+      f"its weight trainable: {demo.backbone[1].weight.requires_grad}")
 
 
 # %% nbgrader={"grade": false, "grade_id": "exercise_05_1", "locked": false, "schema_version": 3, "solution": true}
 # exercise 05.1
-def set_finetune_mode(model):
-    """Training mode for the model, but every BatchNorm layer in eval mode with weight and bias frozen."""
+def set_finetune_mode(model, pretrained):
+    """Training mode; BatchNorm layers inside model.<pretrained> in eval mode with weight and bias frozen."""
     ### BEGIN SOLUTION
     model.train()
-    for module in model.modules():
-        if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+    for name, module in model.named_modules():
+        inside = name.startswith(pretrained + ".")
+        if inside and isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
             module.eval()
             if module.affine:
                 module.weight.requires_grad_(False)

@@ -417,40 +417,45 @@ claims.table()
 
 # %% [markdown]
 # ## Exercises
-# ### Exercise 09.1: a pre-activation block
-# `preact_block(x, bn1, lin1, bn2, lin2)` should compute `x + lin2(relu(bn2(lin1(relu(bn1(x))))))`,
-# so that the input reaches the output, and the output's gradient reaches the input, untouched. The
-# version below keeps the ReLU after the addition.
+# ### Exercise 09.1: the same lesson in a Transformer
+# A Transformer layer is two residual sublayers (attention, then an MLP), each with a LayerNorm. The
+# original Transformer normalised the sum, `norm(x + sublayer(x))` ("post-norm"); most models since
+# put the LayerNorm inside the branch. `prenorm_sublayer(x, norm, sublayer)` should compute one
+# residual sublayer such that, as for the pre-activation block above, the input reaches the output,
+# and the output's gradient reaches the input, untouched: with the sublayer's last layer zeroed, the
+# block must be an exact identity. Before you write it: where can the LayerNorm go? The version below
+# is the post-norm original.
 
 # %%
 # planted bug for exercise 09.1
-def preact_block(x, bn1, lin1, bn2, lin2):
-    """One pre-activation residual block: x + lin2(relu(bn2(lin1(relu(bn1(x))))))."""
-    out = x + lin2(F.relu(bn2(lin1(F.relu(bn1(x))))))
-    return F.relu(out)
+def prenorm_sublayer(x, norm, sublayer):
+    """One residual sublayer whose skip path carries x untouched, with norm applied inside the branch."""
+    return norm(x + sublayer(x))
 
 
 # %%
-# The symptom: with the branch's last layer zeroed, the block should be the identity; it is not.
+# The symptom: with the sublayer's last layer zeroed, the block should be the identity; it is not.
 torch.manual_seed(seed)
-parts = [nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)]
-nn.init.zeros_(parts[3].weight)
-nn.init.zeros_(parts[3].bias)
-x = torch.randn(8, 4)
-print("block(x) == x:", torch.equal(preact_block(x, *parts), x), "; negative entries kept:", (preact_block(x, *parts) < 0).sum().item())
+norm = nn.LayerNorm(4)
+sublayer = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+nn.init.zeros_(sublayer[2].weight)
+nn.init.zeros_(sublayer[2].bias)
+x = 2.0 + torch.randn(8, 4)
+print("block(x) == x:", torch.equal(prenorm_sublayer(x, norm, sublayer), x),
+      "; mean of the output rows:", round(prenorm_sublayer(x, norm, sublayer).mean().item(), 3), "(x's is about 2)")
 
 
 # %% nbgrader={"grade": false, "grade_id": "exercise_09_1", "locked": false, "schema_version": 3, "solution": true}
 # exercise 09.1
-def preact_block(x, bn1, lin1, bn2, lin2):
-    """One pre-activation residual block: x + lin2(relu(bn2(lin1(relu(bn1(x))))))."""
+def prenorm_sublayer(x, norm, sublayer):
+    """One residual sublayer whose skip path carries x untouched, with norm applied inside the branch."""
     ### BEGIN SOLUTION
-    return x + lin2(F.relu(bn2(lin1(F.relu(bn1(x))))))
+    return x + sublayer(norm(x))
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_09_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("09.1", preact_block)
+# %%
+grading.check("09.1", prenorm_sublayer)
 
 
 # %% [markdown]

@@ -705,39 +705,56 @@ grading.check("11.1", grads_match)
 
 
 # %% [markdown]
-# ### Exercise 11.2: keep one module out of compilation
-# `exclude_from_compile(module)` should return the module, changed so that when a model containing
-# it is compiled, `torch.compile` captures none of this module's operations (it runs eagerly) while
-# the rest of the model is still compiled, and outputs and gradients stay those of eager PyTorch.
+# ### Exercise 11.2: keep one layer of an `nn.Sequential` out of compilation
+# Case H2 ended on a trap: a disabled layer inside an `nn.Sequential` makes dynamo give up on the
+# whole container. `compile_around(model, index, compile)` gets an `nn.Sequential`, the index of the
+# layer to keep eager, and the function that compiles a module (`compile(module)`, torch.compile with
+# some backend), and should return a module that computes what `model` computes, in which
+# `model[index]` runs eagerly and every other layer is inside a graph `compile` captured. Outputs and
+# gradients stay those of eager PyTorch. The version below walks into the trap.
 
 # %%
 # planted bug for exercise 11.2
-def exclude_from_compile(module):
-    """Return `module`, changed so that torch.compile leaves it out of every captured graph."""
-    module._compiled = False
-    return module
+def compile_around(model, index, compile):
+    """A module computing model(x), with model[index] eager and every other layer of model compiled."""
+    model[index].forward = torch.compiler.disable(model[index].forward)
+    return compile(model)
 
 
 # %%
-# The symptom: the "excluded" head is still in the captured graph.
-symptom_model = make_model()
-symptom_model.head = exclude_from_compile(symptom_model.head)
-_, symptom_ops = captured_ops(symptom_model, x0)
-print("captured:", ", ".join(f"{path}:{op}" for path, op in symptom_ops))
+# The symptom: nothing at all is captured.
+symptom_graphs = []
+
+
+def symptom_backend(graph_module, example_inputs):
+    symptom_graphs.append(graph_module)
+    return graph_module.forward
+
+
+symptom_model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                              nn.Linear(hidden, 10)).to(dev)
+compiled_around = compile_around(symptom_model, 2, lambda module: torch.compile(module, backend=symptom_backend))
+compiled_around(x0).sum().backward()
+print(f"graphs captured: {len(symptom_graphs)}")
 
 
 # %% nbgrader={"grade": false, "grade_id": "exercise_11_2", "locked": false, "schema_version": 3, "solution": true}
 # exercise 11.2
-def exclude_from_compile(module):
-    """Return `module`, changed so that torch.compile leaves it out of every captured graph."""
+def compile_around(model, index, compile):
+    """A module computing model(x), with model[index] eager and every other layer of model compiled."""
     ### BEGIN SOLUTION
-    module.forward = torch.compiler.disable(module.forward)
-    return module
+    parts = []
+    if index > 0:
+        parts.append(compile(model[:index]))
+    parts.append(model[index])
+    if index + 1 < len(model):
+        parts.append(compile(model[index + 1:]))
+    return nn.Sequential(*parts)
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_11_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("11.2", exclude_from_compile)
+# %%
+grading.check("11.2", compile_around)
 
 # %%
 grading.score()

@@ -812,41 +812,50 @@ grading.check("12.1", global_batch_gradient)
 
 
 # %% [markdown]
-# ### Exercise 12.2: the noise of a batch gradient
-# `expected_gradient_noise(per_sample_grads, batch_size)` takes the `(N, P)` gradients of `N`
-# single samples and should return the expected squared distance `E||g_B - g||²` between the mean
-# gradient `g_B` of a batch of `batch_size` rows drawn without replacement and the mean `g` of all
-# `N` rows, as a float. The version below computes it for a *summed* gradient.
+# ### Exercise 12.2: the batch size that reaches a noise target
+# J2 measured how the noise of a batch gradient falls with the batch size. Turn that around:
+# `batch_for_noise(per_sample_grads, ratio)` takes the `(N, P)` gradients of `N` single samples and
+# should return the smallest batch size `B` (from 1 to `N`) whose expected squared noise
+# `E||g_B - g||²`, for a batch of `B` rows drawn without replacement, is at most `ratio * ||g||²`,
+# where `g` is the mean of all `N` rows. Derive the expected noise first (what is it at `B = N`?);
+# the version below assumes it falls as `s2 / B`.
 
 # %%
 # planted bug for exercise 12.2
-def expected_gradient_noise(per_sample_grads, batch_size):
-    """E||g_B - g||^2 for a batch mean of batch_size rows drawn without replacement from the N rows."""
+def batch_for_noise(per_sample_grads, ratio):
+    """The smallest B in 1..N with E||g_B - g||^2 <= ratio * ||g||^2, rows drawn without replacement."""
     n = len(per_sample_grads)
-    spread = (per_sample_grads - per_sample_grads.mean(0)).pow(2).sum(1).mean()
-    return float(batch_size * spread * (n - batch_size) / (n - 1))
+    full = per_sample_grads.mean(0)
+    spread = (per_sample_grads - full).pow(2).sum(1).mean().item()
+    for batch in range(1, n + 1):
+        if spread / batch <= ratio * full.pow(2).sum().item():
+            return batch
+    return None
 
 
 # %%
-# The symptom: it predicts more noise for larger batches, against the measurement in J2.
-for batch in (8, 64):
-    predicted = expected_gradient_noise(all_grads, batch)
-    print(f"batch {batch}: predicted {predicted:.3f}, measured {gradient_noise.get(batch, float('nan')):.3f}")
+# The symptom: for a strict target it finds no batch at all, though the mean over all rows has no noise.
+for ratio in (1.0, 0.1, 0.01):
+    print(f"ratio {ratio}: batch {batch_for_noise(all_grads, ratio)} of {len(all_grads)} rows")
 
 
 # %% nbgrader={"grade": false, "grade_id": "exercise_12_2", "locked": false, "schema_version": 3, "solution": true}
 # exercise 12.2
-def expected_gradient_noise(per_sample_grads, batch_size):
-    """E||g_B - g||^2 for a batch mean of batch_size rows drawn without replacement from the N rows."""
+def batch_for_noise(per_sample_grads, ratio):
+    """The smallest B in 1..N with E||g_B - g||^2 <= ratio * ||g||^2, rows drawn without replacement."""
     ### BEGIN SOLUTION
     n = len(per_sample_grads)
-    spread = (per_sample_grads - per_sample_grads.mean(0)).pow(2).sum(1).mean()
-    return float(spread * (n - batch_size) / (batch_size * (n - 1)))
+    full = per_sample_grads.mean(0)
+    spread = (per_sample_grads - full).pow(2).sum(1).mean().item()
+    target = ratio * full.pow(2).sum().item()
+    for batch in range(1, n + 1):
+        if spread * (n - batch) / (batch * (n - 1)) <= target:
+            return batch
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_12_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("12.2", expected_gradient_noise)
+# %%
+grading.check("12.2", batch_for_noise)
 
 # %%
 grading.score()

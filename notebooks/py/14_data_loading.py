@@ -620,42 +620,61 @@ claims.table()
 # %% [markdown]
 # ## Exercises
 #
-# ### Exercise 14.1: a random stream per worker
-# `seed_dataset_rng(dataset, worker_seed)` is called in each worker (from a `worker_init_fn`) with
-# that worker's copy of the dataset and `get_worker_info().seed`. It should give `dataset.rng` a
-# NumPy generator of its own, derived from `worker_seed`, so that workers draw different numbers,
-# every epoch differs, and the same seed gives the same numbers again. The version below is the fix
-# as usually quoted.
+# ### Exercise 14.1: a random stream per worker, with torch's own generator
+# The digits above drew their noise from a NumPy generator owned by the dataset. Many datasets own a
+# `torch.Generator` instead (for random crops or masks drawn with `generator=`), and the same trap
+# waits there, with a torch-flavoured "fix". `seed_dataset_generator(dataset, worker_seed)` is called
+# in each worker (from a `worker_init_fn`) with that worker's copy of the dataset and
+# `get_worker_info().seed`. It should seed `dataset.generator` (a `torch.Generator`) from
+# `worker_seed`, so that workers draw different numbers, every epoch differs, and the same seed gives
+# the same numbers again. The version below seeds torch's global generator, which the installed torch
+# already seeds in every worker.
 
 # %%
 # planted bug for exercise 14.1
-def seed_dataset_rng(dataset, worker_seed):
-    """Give this worker's copy of `dataset` a NumPy generator `dataset.rng` derived from `worker_seed`."""
-    np.random.seed(worker_seed % 2**32)
+def seed_dataset_generator(dataset, worker_seed):
+    """Seed this worker's copy of `dataset`'s own torch.Generator, `dataset.generator`, from `worker_seed`."""
+    torch.manual_seed(worker_seed)
 
 
 # %%
-# The symptom: with it as worker_init_fn, the workers still draw the same noise.
+# The symptom: a dataset that owns a torch.Generator; with the planted function as worker_init_fn,
+# the workers still draw the same noise.
+class GeneratorNoisyDigits(Dataset):
+    """Digits plus Gaussian noise drawn from the dataset's own torch.Generator."""
+
+    def __init__(self, images, seed=0):
+        self.images = images
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        noise = 0.1 * torch.randn(self.images.shape[1], generator=self.generator)
+        return index, self.images[index] + noise, noise
+
+
 def planted_worker_init(worker_id):
     info = get_worker_info()
-    seed_dataset_rng(info.dataset, info.seed)
+    seed_dataset_generator(info.dataset, info.seed)
 
 
-planted_noise = noise_per_epoch(NoisyDigits(noisy_images, seed=seed), planted_worker_init)
+planted_noise = noise_per_epoch(GeneratorNoisyDigits(noisy_images, seed=seed), planted_worker_init)
 print(f"duplicated: {duplicated_share(planted_noise):.0%}; repeated next epoch: {repeated_share(planted_noise):.0%}")
 
 
 # %% nbgrader={"grade": false, "grade_id": "exercise_14_1", "locked": false, "schema_version": 3, "solution": true}
 # exercise 14.1
-def seed_dataset_rng(dataset, worker_seed):
-    """Give this worker's copy of `dataset` a NumPy generator `dataset.rng` derived from `worker_seed`."""
+def seed_dataset_generator(dataset, worker_seed):
+    """Seed this worker's copy of `dataset`'s own torch.Generator, `dataset.generator`, from `worker_seed`."""
     ### BEGIN SOLUTION
-    dataset.rng = np.random.default_rng(worker_seed)
+    dataset.generator.manual_seed(worker_seed)
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_14_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("14.1", seed_dataset_rng)
+# %%
+grading.check("14.1", seed_dataset_generator)
 
 
 # %% [markdown]

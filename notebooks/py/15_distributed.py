@@ -945,43 +945,49 @@ grading.check("15.1", average_gradients)
 
 
 # %% [markdown]
-# ### Exercise 15.2: a different shuffle every epoch, a different shard every rank
-# `rank_indices(num_samples, rank, world_size, epoch, seed)` returns the sample indices rank `rank`
-# trains on in epoch `epoch`: the ranks together cover every sample, each rank gets the same
-# number of indices (or the ranks would run different numbers of steps and the last collective
-# would wait forever), a run is reproducible from `seed`, and each epoch is shuffled differently.
-# `torch.utils.data.DistributedSampler` does this; the version below uses it, and something is
-# missing.
+# ### Exercise 15.2: shard files per rank and per epoch, without a sampler
+# Large data sets often come as shard files read by an `IterableDataset`, and an `IterableDataset`
+# has no indices for a `DistributedSampler` to hand out: each rank must pick its own shards.
+# `rank_shards(num_shards, rank, world_size, epoch, seed)` returns the shard numbers (from
+# `range(num_shards)`) rank `rank` reads in epoch `epoch`: the ranks together read every shard, each
+# rank gets the same number of shards (or the ranks would run different numbers of steps and the
+# last collective would wait forever), a run is reproducible from `seed`, and each epoch is
+# shuffled differently. Write it with `torch.randperm` and a `torch.Generator`: what must the ranks
+# agree on, and what must change from one epoch to the next? The version below gives every rank
+# its own shuffle.
 
 # %%
 # planted bug for exercise 15.2
-def rank_indices(num_samples, rank, world_size, epoch, seed):
-    """The sample indices rank `rank` of `world_size` trains on in `epoch`."""
-    sampler = torch.utils.data.DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank,
-                                                  shuffle=True, seed=seed)
-    return list(sampler)
+def rank_shards(num_shards, rank, world_size, epoch, seed):
+    """The shard numbers rank `rank` of `world_size` reads in `epoch`, equal counts for every rank."""
+    generator = torch.Generator().manual_seed(seed + 1000 * rank + epoch)
+    order = torch.randperm(num_shards, generator=generator).tolist()
+    per_rank = -(-num_shards // world_size)  # rounded up
+    order = (order * world_size)[:per_rank * world_size]
+    return order[rank::world_size]
 
 
 # %%
-# The symptom: rank 0's first indices, epoch after epoch.
-for epoch in range(3):
-    print(f"epoch {epoch}: rank 0 starts with {rank_indices(64, 0, world_size, epoch, seed)[:8]}")
+# The symptom: in one epoch, which shards the ranks read, and how often.
+read = [shard for rank in range(world_size) for shard in rank_shards(8, rank, world_size, 0, seed)]
+print(f"{world_size} ranks, 8 shards: read {sorted(read)}; never read: {sorted(set(range(8)) - set(read))}")
 
 
 # %% nbgrader={"grade": false, "grade_id": "exercise_15_2", "locked": false, "schema_version": 3, "solution": true}
 # exercise 15.2
-def rank_indices(num_samples, rank, world_size, epoch, seed):
-    """The sample indices rank `rank` of `world_size` trains on in `epoch`."""
+def rank_shards(num_shards, rank, world_size, epoch, seed):
+    """The shard numbers rank `rank` of `world_size` reads in `epoch`, equal counts for every rank."""
     ### BEGIN SOLUTION
-    sampler = torch.utils.data.DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank,
-                                                  shuffle=True, seed=seed)
-    sampler.set_epoch(epoch)
-    return list(sampler)
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(num_shards, generator=generator).tolist()
+    per_rank = -(-num_shards // world_size)  # rounded up
+    order = (order * world_size)[:per_rank * world_size]
+    return order[rank::world_size]
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_15_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("15.2", rank_indices)
+# %%
+grading.check("15.2", rank_shards)
 
 # %%
 grading.score()
