@@ -828,7 +828,7 @@ def sample_latent(mu, log_var):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_04_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("04.1", sample_latent)
 
 
@@ -874,7 +874,7 @@ def mean_output(gru, padded, lengths):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_04_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("04.2", mean_output)
 
 # %%

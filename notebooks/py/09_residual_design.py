@@ -454,7 +454,7 @@ def prenorm_sublayer(x, norm, sublayer):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_09_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("09.1", prenorm_sublayer)
 
 

@@ -753,7 +753,7 @@ def compile_around(model, index, compile):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_11_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("11.2", compile_around)
 
 # %%

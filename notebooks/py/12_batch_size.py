@@ -854,7 +854,7 @@ def batch_for_noise(per_sample_grads, ratio):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_12_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("12.2", batch_for_noise)
 
 # %%

@@ -673,7 +673,7 @@ def seed_dataset_generator(dataset, worker_seed):
     ### END SOLUTION
 
 
-# %%
+# %% nbgrader={"grade": true, "grade_id": "check_14_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("14.1", seed_dataset_generator)
 
 
