@@ -97,7 +97,7 @@ TYPED_NUMBERS_ALLOWED = {
     "H1": "0 0.15 0.40 10x 1e-4",
     "H2": "0",
     "H3": "2048",
-    "H4": "0 2",
+    "H4": "0 1 2",  # maximum(x, 0) and (x + |x|)/2 name formulas; 1, then 0: clamp's slope at 0 in past releases
     "I1": "1e-5",  # the tolerance
     "I2": "1.5x 2",  # the verdict's threshold, the article's prefetch_factor
     "I4": "4",  # the four samples collated
