@@ -38,7 +38,7 @@ BAD_VALUES = [
     pytest.param({"steps": "ten"}, r"^parameter steps expects an int \(SGD steps, at least 1; default 30\), "
                  r"got the string 'ten': pass a number, e.g. -p steps 30$", id="steps-ten"),
     pytest.param({"stepz": 10}, r"^this notebook has no parameter stepz; allowed: seed \(default 0\), .*"
-                 r"bug \(default True\)\. Did you mean steps\?$", id="unknown-stepz"),
+                 r"bug \(default True\)(, \w+ \(default [^)]*\))*\. Did you mean steps\?$", id="unknown-stepz"),
     pytest.param({"steps": -5}, r"^parameter steps must be at least 1, got -5 \(default 30\)$", id="steps-negative"),
 ]
 
