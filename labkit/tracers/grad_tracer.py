@@ -754,16 +754,23 @@ def _flat_for_reduction(grad: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype in _REDUCED_AS_IS else flat.float()
 
 
-def _exact_full_summary(flat: torch.Tensor, bins: int) -> torch.Tensor:
-    """The `_FULL_SCALARS` and a histogram of every finite value, on the device."""
+def _scalars_with_nonfinite(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `_FULL_SCALARS` of a gradient that may hold NaN or inf, with its finite mask and its
+    values with the non-finite ones zeroed (histc refuses a non-finite range, so non-finite values
+    are counted, then left out of the histogram)."""
     finite = torch.isfinite(flat)
-    # histc refuses a non-finite range, so non-finite values are counted, then left out.
     clean = torch.where(finite, flat, 0.0)
     low, high = torch.aminmax(clean)
     magnitudes = flat.abs()
     scalars = torch.stack((
         finite.logical_not().sum(), (flat == 0).sum(), magnitudes.sum(), magnitudes.amax(), low, high,
     )).double()  # fmt: skip
+    return scalars, finite, clean
+
+
+def _exact_full_summary(flat: torch.Tensor, bins: int) -> torch.Tensor:
+    """The `_FULL_SCALARS` and a histogram of every finite value, on the device."""
+    scalars, _, clean = _scalars_with_nonfinite(flat)
     return torch.cat((scalars, torch.histc(clean, bins).double()))
 
 
@@ -789,13 +796,7 @@ def _fast_full_scalars(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tenso
 
 def _nonfinite_full_summary(flat: torch.Tensor, positions: torch.Tensor | None, bins: int) -> torch.Tensor:
     """`_exact_full_summary`'s numbers, with the histogram of the finite values at ``positions``."""
-    finite = torch.isfinite(flat)
-    clean = torch.where(finite, flat, 0.0)
-    low, high = torch.aminmax(clean)
-    magnitudes = flat.abs()
-    scalars = torch.stack((
-        finite.logical_not().sum(), (flat == 0).sum(), magnitudes.sum(), magnitudes.amax(), low, high,
-    )).double()  # fmt: skip
+    scalars, finite, clean = _scalars_with_nonfinite(flat)
     if positions is not None:
         clean, finite = clean.take(positions), finite.take(positions)
     counts = _binned([clean], scalars[4:5], scalars[5:6], bins, keep=finite)
