@@ -24,6 +24,7 @@ import re
 import tokenize
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from labkit.errors import LabkitError
 
@@ -42,6 +43,8 @@ _BOUND_CLAUSE = re.compile(rf"(?P<each>each )?(?:(?P<op>at least|at most|above|b
 # papermill's own Python translator adds this comment on top of the cell it injects, and its
 # `--inject-paths` options add these names, which no parameters cell declares.
 _INJECTED_HEADER = "# Parameters"
+# The line that opens a cell in a jupytext percent script (a py twin).
+_PERCENT_CELL = re.compile(r"^# %%.*$", flags=re.M)
 _PAPERMILL_NAMES = frozenset({"PAPERMILL_INPUT_PATH", "PAPERMILL_OUTPUT_PATH"})
 
 
@@ -227,12 +230,17 @@ def check_parameters(namespace: Mapping[str, object]) -> None:
 def _cells_run(namespace: Mapping[str, object]) -> list[str]:
     """The sources of the cells this kernel ran, oldest first: IPython's input history (`_ih`), or, for
     a client that runs cells without history (nbval does), the cell sources IPython keeps in
-    `linecache` for its tracebacks (entries without a file time, in the order they were first run)."""
+    `linecache` for its tracebacks (entries without a file time, in the order they were first run),
+    or, for a py twin run as a plain script, its `# %%` cells."""
     history = [str(source) for source in namespace.get("_ih") or []]
     if any(map(_typed_cell, history)):
         return history
     cached = ["".join(entry[2]) for entry in list(linecache.cache.values()) if len(entry) == 4 and entry[1] is None]
-    return [source for source in cached if _parses(source)]
+    cached = [source for source in cached if _parses(source)]
+    if any(map(_typed_cell, cached)) or not str(namespace.get("__file__", "")).endswith(".py"):
+        return cached
+    script = Path(str(namespace["__file__"])).read_text(encoding="utf-8")
+    return [source for source in _PERCENT_CELL.split(script) if _parses(source)]
 
 
 def _parses(source: str) -> bool:

@@ -11,6 +11,7 @@ in a kernel.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,28 @@ def test_a_typed_plain_papermill_run_turns_the_bug_off(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     metrics = {m["name"]: m["value"] for m in stored_records(tmp_path / "out.ipynb", METRIC_MIME)}
     assert metrics["final_loss"] < 0.1  # with the string "false" the bug stayed on: a loss above 1
+
+
+PY_TWIN_AS_A_SCRIPT = '''# %% [markdown]
+# A py twin, run with plain python.
+
+# %% tags=["parameters"]
+steps: int = STEPS  # SGD steps, at least 1
+bug: bool = True  # True runs the planted bug, False the fix
+
+# %%
+from labkit.parameters import check_parameters
+
+check_parameters(globals())
+print(f"checked: steps={steps}")
+'''
+
+
+@pytest.mark.parametrize("steps, outcome", [("30", "checked: steps=30"), ("-5", "parameter steps must be at least 1")])
+def test_a_py_twin_run_as_a_plain_script_is_checked_from_its_own_cells(tmp_path, steps, outcome):
+    script = tmp_path / "twin.py"
+    script.write_text(PY_TWIN_AS_A_SCRIPT.replace("STEPS", steps))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert outcome in run.stdout + run.stderr
+    assert (run.returncode == 0) == steps.startswith("3")
