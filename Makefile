@@ -28,7 +28,7 @@ COMPAT_PIP := PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip --isola
 COMPAT_ENV := CUDA_HOME= CUDA_PATH=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup hooks lab lab-student notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student course bench repro clean
+.PHONY: help setup hooks lab lab-student notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student course workshop workshop-proxy bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -106,6 +106,22 @@ student: $(STAMP) ## write the student edition into student/ (solutions removed,
 
 course: $(STAMP) ## lay out an nbgrader course in $(COURSE)/ (NB="00 02 05" ASSIGNMENT=ps1; refuses handed-in work)
 	$(PY) -m labkit course create $(NB) --assignment $(ASSIGNMENT) --dest $(COURSE)
+
+# The workshop's JupyterHub (workshop/jupyterhub_config.py, README "Workshop on a JupyterHub"). Its proxy is
+# the npm package configurable-http-proxy, installed from workshop/proxy/'s lock into that folder only.
+PROXY := workshop/proxy/node_modules/.bin/configurable-http-proxy
+WORKSHOP_PORT ?= 8000
+
+$(PROXY): workshop/proxy/package.json workshop/proxy/package-lock.json
+	@command -v npm >/dev/null || { echo "the workshop hub needs npm for its proxy (configurable-http-proxy): install Node.js 20 or newer with npm (apt-get install npm), then rerun"; exit 2; }
+	npm ci --prefix workshop/proxy --no-audit --no-fund
+	@touch $(PROXY)
+
+workshop-proxy: $(PROXY) ## install the hub's proxy (configurable-http-proxy, locked in workshop/proxy/) with npm
+
+workshop: $(STAMP) $(PROXY) ## start the room's JupyterHub on 127.0.0.1:$(WORKSHOP_PORT) for the course in $(COURSE)/ (Ctrl-C stops it all)
+	@test -d $(COURSE)/release || { echo "no course in $(COURSE)/: run make course NB=\"00 02 05\" ASSIGNMENT=ps1 first"; exit 2; }
+	GRADIENTLAB_COURSE=$(abspath $(COURSE)) GRADIENTLAB_HUB_PORT=$(WORKSHOP_PORT) $(VENV)/bin/jupyterhub -f workshop/jupyterhub_config.py
 
 bench: $(STAMP) ## run the benchmarks in benchmarks/ (ratios measured in one run)
 	@for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

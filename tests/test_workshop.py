@@ -1,0 +1,363 @@
+"""The workshop's JupyterHub (workshop/jupyterhub_config.py), run for real: a room of two learners on loopback.
+
+The hub starts from the shipped configuration with only the authenticator swapped for JupyterHub's dummy one
+(any password) and its ports, course and room folders set through the environment. Both learners go through
+the hub's REST API and then their own hub-spawned server, as JupyterLab does in a browser:
+- the hub starts each server, whose pre-spawn hook copied the course's release into the learner's folder;
+- a kernel session is opened on ``ps1/00_start_here.ipynb`` through the server's sessions API, every code cell
+  is sent as an execute request on the kernel's websocket, and the outputs are saved back through the
+  contents API; ada first types the solutions into the exercise cells, bo leaves the release untouched;
+- each learner submits through nbgrader's assignment list (the Assignments tab's Submit, on their server).
+The instructor then runs `nbgrader collect` and `autograde` in the course folder and reads the gradebook:
+ada 2 of 2 points, bo 0 of 2. ada's server is stopped and started again in between, and her saved work is
+still hers. The hub is stopped with SIGINT, as Ctrl-C in `make workshop` does, and no process it started
+may be left. configurable-http-proxy comes from npm (`npm ci --prefix workshop/proxy`): without npm the
+module skips, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from labkit import student
+from labkit.course import layout
+
+pytest.importorskip("jupyterhub", reason="JupyterHub is in the workshop extra: pip install -e '.[workshop]'")
+pytest.importorskip("nbgrader", reason="nbgrader is in the course extra: pip install -e '.[course]'")
+requests = pytest.importorskip("requests")
+from nbgrader.api import Gradebook  # noqa: E402 (after the skips)
+from tornado.httpclient import HTTPRequest  # noqa: E402
+from tornado.websocket import websocket_connect  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "00_start_here.ipynb"
+ASSIGNMENT = "ps1"
+LEARNERS = ("ada", "bo")
+PROXY = ROOT / "workshop" / "proxy" / "node_modules" / ".bin" / "configurable-http-proxy"
+# Whole-module bound: the room (course, hub, two servers, two runs of 00, a restart, the autograde of two
+# notebooks) takes one to three minutes on a busy 2-core machine.
+BUDGET_S = 360
+CELL_TIMEOUT_S = 240
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUDGET_S + 60)]
+
+if shutil.which("npm") is None:
+    pytest.skip("npm is not on PATH: the workshop's configurable-http-proxy is an npm package "
+                "(install Node.js and npm, then make workshop-proxy)", allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def install_proxy() -> None:
+    """What `make workshop-proxy` runs: the locked configurable-http-proxy into workshop/proxy/."""
+    if PROXY.exists():
+        return
+    done = subprocess.run(["npm", "ci", "--prefix", str(ROOT / "workshop" / "proxy"), "--no-audit", "--no-fund"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and PROXY.exists(), f"npm ci failed:\n{done.stderr[-2000:]}"
+
+
+def nbgrader(course: Path, *args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, capture_output=True, text=True,
+                          timeout=BUDGET_S, env=layout.environment_with_tools())
+    assert done.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{done.stderr[-3000:]}"
+
+
+@dataclass
+class Room:
+    url: str
+    course: Path
+    room: Path
+    hub: subprocess.Popen
+    log: Path
+    started: float
+    tokens: dict[str, str] = field(default_factory=dict)
+    processes: dict[int, psutil.Process] = field(default_factory=dict)
+    stopped: list[str] | None = None
+
+    def api(self, method: str, path: str, user: str | None = None, **kwargs) -> requests.Response:
+        """A request to the hub (``path`` from /hub/...) or to a server (``path`` a full URL)."""
+        headers = {"Authorization": f"token {self.tokens[user]}"} if user else {}
+        url = path if path.startswith("http") else self.url + path
+        return requests.request(method, url, headers=headers, timeout=60, **kwargs)
+
+    def remember_processes(self) -> None:
+        """Every process below the hub now: its proxy, the learners' servers and their kernels."""
+        for child in psutil.Process(self.hub.pid).children(recursive=True):
+            self.processes.setdefault(child.pid, child)
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> list[str]:
+        """SIGINT to the hub (Ctrl-C); return what was still running 60 s later, then kill that."""
+        if self.stopped is not None:
+            return self.stopped
+        if self.hub.poll() is None:
+            self.remember_processes()
+            self.hub.send_signal(signal.SIGINT)
+            try:
+                self.hub.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 20
+        alive = [p for p in self.processes.values() if running(p)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.5)
+            alive = [p for p in alive if running(p)]
+        self.stopped = [f"pid {p.pid} {' '.join(p.cmdline()[:3])}" for p in alive]
+        if self.hub.poll() is None:
+            self.stopped.append(f"the hub, pid {self.hub.pid}")
+            os.killpg(self.hub.pid, signal.SIGKILL)
+            self.hub.wait(10)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                continue
+        return self.stopped
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for(condition, what: str, room: Room, limit_s: float = 120):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if room.hub.poll() is not None:
+            pytest.fail(f"the hub exited ({room.hub.returncode}) while waiting for {what}:\n{room.log_tail()}")
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"{what} did not happen within {limit_s} s:\n{room.log_tail()}")
+
+
+def start_server(room: Room, learner: str) -> str:
+    """Start the learner's server through the hub's REST API; return its URL once ready."""
+    reply = room.api("POST", f"/hub/api/users/{learner}/server", learner)
+    assert reply.status_code in (201, 202), reply.text
+
+    def ready():
+        model = room.api("GET", f"/hub/api/users/{learner}", learner).json()
+        server = model.get("servers", {}).get("")
+        return server and server.get("ready") and server["url"]
+    return room.url + wait_for(ready, f"{learner}'s server to start", room)
+
+
+def stop_server(room: Room, learner: str) -> None:
+    reply = room.api("DELETE", f"/hub/api/users/{learner}/server", learner)
+    assert reply.status_code in (202, 204), reply.text
+    wait_for(lambda: not room.api("GET", f"/hub/api/users/{learner}", learner).json().get("servers"),
+             f"{learner}'s server to stop", room)
+
+
+async def execute(ws_url: str, token: str, nb: nbformat.NotebookNode, probe: str) -> str:
+    """Run ``nb``'s code cells on the kernel behind ``ws_url`` (the Jupyter messaging protocol over the
+    server's websocket, as JupyterLab's Run All does, stopping at the first error), store the outputs in
+    ``nb``, then run ``probe`` and return what it printed."""
+    connection = await websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {token}"}),
+                                         max_message_size=64 * 2**20)
+    session = uuid.uuid4().hex
+
+    async def run(code: str) -> tuple[list, dict]:
+        msg_id = uuid.uuid4().hex
+        await connection.write_message(json.dumps({
+            "header": {"msg_id": msg_id, "msg_type": "execute_request", "session": session, "username": "test",
+                       "version": "5.3"},
+            "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+            "content": {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                        "allow_stdin": False, "stop_on_error": True},
+        }))
+        outputs, reply, idle = [], None, False
+        deadline = time.monotonic() + CELL_TIMEOUT_S
+        while reply is None or not idle:
+            raw = await asyncio.wait_for(connection.read_message(), deadline - time.monotonic())
+            assert raw is not None, "the kernel's websocket closed"
+            message = json.loads(raw)
+            if message.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind = message["header"]["msg_type"]
+            if kind == "execute_reply":
+                reply = message["content"]
+            elif kind == "status":
+                idle = message["content"]["execution_state"] == "idle"
+            elif kind == "clear_output":
+                outputs = []
+            elif kind in ("stream", "display_data", "execute_result", "error"):
+                outputs.append(nbformat.v4.output_from_msg(message))
+        return outputs, reply
+
+    try:
+        for cell in nb.cells:
+            if cell.cell_type != "code":
+                continue
+            cell.outputs, reply = await run(cell.source)
+            cell.execution_count = reply.get("execution_count")
+            if reply["status"] != "ok":
+                break
+        outputs, _ = await run(probe)
+        return "".join(output.get("text", "") for output in outputs if output.output_type == "stream")
+    finally:
+        connection.close()
+
+
+PROBE = "import json, os, sys, labkit; print(json.dumps({'cwd': os.getcwd(), 'python': sys.executable, " \
+        "'user': os.environ.get('JUPYTERHUB_USER'), 'labkit': labkit.__file__}))"
+
+
+def answer_with_solutions(nb: nbformat.NotebookNode) -> None:
+    """Type each exercise's solution into its cell, as a learner would (without nbgrader's markers)."""
+    solutions = student.find_exercises(nbformat.read(NOTEBOOK, 4), NOTEBOOK.name)
+    for cell in nb.cells:
+        exercise = student.exercise_id_of(cell)
+        if exercise is not None:
+            cell.source = "\n".join(line for line in solutions[exercise].solution.split("\n")
+                                    if line.strip() not in (student.BEGIN_SOLUTION, student.END_SOLUTION))
+
+
+def work_on_00(room: Room, learner: str, server: str, answer: bool) -> dict:
+    """Open ps1/00_start_here.ipynb in the learner's server, (answer,) run it, save it; return the probe."""
+    path = f"{ASSIGNMENT}/{NOTEBOOK.name}"
+    reply = room.api("GET", f"{server}api/contents/{path}", learner)
+    assert reply.status_code == 200, reply.text
+    nb = nbformat.from_dict(reply.json()["content"])
+    if answer:
+        answer_with_solutions(nb)
+    session = room.api("POST", f"{server}api/sessions", learner, json={
+        "path": path, "name": NOTEBOOK.name, "type": "notebook", "kernel": {"name": "python3"}})
+    assert session.status_code == 201, session.text
+    kernel, session_id = session.json()["kernel"]["id"], session.json()["id"]
+    ws_url = server.replace("http://", "ws://") + f"api/kernels/{kernel}/channels?session_id={uuid.uuid4().hex}"
+    probe = asyncio.run(execute(ws_url, room.tokens[learner], nb, PROBE))
+    saved = room.api("PUT", f"{server}api/contents/{path}", learner,
+                     json={"type": "notebook", "format": "json", "content": nb})
+    assert saved.status_code == 200, saved.text
+    assert room.api("DELETE", f"{server}api/sessions/{session_id}", learner).status_code == 204
+    return {"probe": json.loads(probe.strip().splitlines()[-1]), "notebook": nb}
+
+
+def submit(room: Room, learner: str, server: str) -> None:
+    """The Assignments tab's Submit: nbgrader's assignment-list extension on the learner's server."""
+    reply = room.api("POST", f"{server}assignments/submit", learner,
+                     json={"course_id": layout.COURSE_ID, "assignment_id": ASSIGNMENT})
+    assert reply.status_code == 200, reply.text
+    assert not (isinstance(reply.json(), dict) and reply.json().get("success") is False), reply.json().get("value")
+
+
+@pytest.fixture(scope="module")
+def room(tmp_path_factory):
+    """A course with ps1 = 00 released to the exchange, and the workshop hub running for ada and bo."""
+    started = time.monotonic()
+    install_proxy()
+    base = tmp_path_factory.mktemp("workshop")
+    course = base / "course"
+    layout.create_course([NOTEBOOK], course, ASSIGNMENT)
+    nbgrader(course, "release_assignment", ASSIGNMENT)
+    port = free_port()
+    env = {**os.environ, "GRADIENTLAB_COURSE": str(course), "GRADIENTLAB_ROOM": str(base / "room"),
+           "GRADIENTLAB_LEARNERS": " ".join(LEARNERS), "GRADIENTLAB_HUB_PORT": str(port),
+           "GRADIENTLAB_HUB_API_PORT": str(free_port()), "GRADIENTLAB_PROXY_API_PORT": str(free_port())}
+    log = base / "hub.log"
+    with log.open("w") as sink:
+        hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(ROOT / "workshop" / "jupyterhub_config.py"),
+                                "--JupyterHub.authenticator_class=dummy"],
+                               cwd=base, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    room = Room(f"http://127.0.0.1:{port}", course, base / "room", hub, log, started)
+    try:
+        wait_for(lambda: _answers(room.url + "/hub/api/"), "the hub to answer", room)
+        for learner in LEARNERS:
+            reply = room.api("POST", f"/hub/api/users/{learner}/tokens",
+                             json={"auth": {"username": learner, "password": "any"}, "note": "test_workshop"})
+            assert reply.status_code == 201, reply.text
+            room.tokens[learner] = reply.json()["token"]
+        yield room
+    finally:
+        room.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=5).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def worked(room):
+    """Both learners work in their servers and submit; the instructor collects and autogrades."""
+    servers = {learner: start_server(room, learner) for learner in LEARNERS}
+    room.remember_processes()
+    results = {"ada": work_on_00(room, "ada", servers["ada"], answer=True),
+               "bo": work_on_00(room, "bo", servers["bo"], answer=False)}
+    saved = (room.room / "learners" / "ada" / ASSIGNMENT / NOTEBOOK.name).read_bytes()
+    stop_server(room, "ada")
+    servers["ada"] = start_server(room, "ada")
+    room.remember_processes()
+    results["ada_after_restart"] = (room.room / "learners" / "ada" / ASSIGNMENT / NOTEBOOK.name).read_bytes() == saved
+    for learner in LEARNERS:
+        submit(room, learner, servers[learner])
+    nbgrader(room.course, "collect", ASSIGNMENT)
+    nbgrader(room.course, "autograde", ASSIGNMENT)
+    with Gradebook(f"sqlite:///{room.course / 'gradebook.db'}", layout.COURSE_ID) as gradebook:
+        results["scores"] = {learner: {nb.name: (nb.score, nb.max_score)
+                                       for nb in gradebook.find_submission(ASSIGNMENT, learner).notebooks}
+                             for learner in LEARNERS}
+    return results
+
+
+def test_each_learner_runs_00_in_their_own_copy_in_the_project_environment(room, worked):
+    for learner in LEARNERS:
+        probe = worked[learner]["probe"]
+        assert probe["user"] == learner
+        assert Path(probe["cwd"]) == room.room / "learners" / learner / ASSIGNMENT
+        assert probe["python"] == sys.executable
+        assert Path(probe["labkit"]).resolve().parents[1] == ROOT
+        errors = [output for cell in worked[learner]["notebook"].cells for output in cell.get("outputs", [])
+                  if output.output_type == "error"]
+        assert not errors, f"{learner}'s run of 00 raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+        ran = [cell for cell in worked[learner]["notebook"].cells if cell.cell_type == "code"]
+        assert all(cell.execution_count for cell in ran), f"{learner}: not every code cell ran"
+
+
+def test_the_copy_was_the_release_and_a_restart_keeps_the_learner_s_work(room, worked):
+    released = nbformat.read(room.course / "release" / ASSIGNMENT / NOTEBOOK.name, 4)
+    bo = nbformat.read(room.room / "learners" / "bo" / ASSIGNMENT / NOTEBOOK.name, 4)
+    assert [cell.source for cell in bo.cells] == [cell.source for cell in released.cells]
+    ada = nbformat.read(room.room / "learners" / "ada" / ASSIGNMENT / NOTEBOOK.name, 4)
+    assert [cell.source for cell in ada.cells] != [cell.source for cell in released.cells]
+    assert worked["ada_after_restart"], "restarting ada's server rewrote her saved notebook"
+
+
+def test_the_instructor_collects_and_autogrades_both_learners(worked):
+    print(f"points per learner: {worked['scores']}")
+    assert worked["scores"] == {"ada": {"00_start_here": (2.0, 2.0)}, "bo": {"00_start_here": (0.0, 2.0)}}
+
+
+def test_ctrl_c_stops_the_hub_and_everything_it_started(room, worked):
+    assert len(room.processes) >= 3, f"expected the proxy and two servers under the hub, saw {room.processes}"
+    assert room.stop() == [], f"still running after SIGINT: {room.stopped}\n{room.log_tail()}"
+    assert room.hub.returncode is not None
+    print(f"workshop test wall time: {time.monotonic() - room.started:.1f} s")
