@@ -146,6 +146,17 @@ def test_an_exercise_the_registry_does_not_know_is_refused(tmp_path):
     assert not (tmp_path / "course").exists()
 
 
+def test_a_notebook_whose_exercise_cells_were_deleted_is_refused(tmp_path):
+    nb = nbformat.read(NOTEBOOKS[0], 4)
+    nb.cells = [cell for cell in nb.cells if student.exercise_id_of(cell) != "00.2"
+                and marks.checked_exercise(cell, "cell") != "00.2"]
+    (tmp_path / "notebooks").mkdir()
+    nbformat.write(nb, tmp_path / "notebooks" / NOTEBOOKS[0].name)
+    with pytest.raises(LabkitError, match=r"00_start_here.ipynb: exercise 00\.2 has no solution or check cell"):
+        layout.create_course([tmp_path / "notebooks" / NOTEBOOKS[0].name], tmp_path / "course", ASSIGNMENT)
+    assert not (tmp_path / "course").exists()
+
+
 def test_an_unlocked_check_cell_is_refused(tmp_path, capsys):
     nb = nbformat.read(NOTEBOOKS[0], 4)
     for cell in nb.cells:

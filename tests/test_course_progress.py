@@ -1,5 +1,6 @@
 """`labkit progress` re-runs a learner's answers through the checks: stored outputs, faked check cells and
-copies of the solution notebook count for nothing, and a deleted exercise cell is named with the fix.
+copies of the solution notebook count for nothing, a deleted or renumbered exercise cell is named with the fix,
+and deleted check or text cells do not stop an answer from being graded; nothing is ever written.
 
 Nothing here starts a kernel: the answers of 00_start_here run in-process, as the progress command runs them.
 """
@@ -114,3 +115,27 @@ def test_stored_mode_says_it_can_be_faked(learner, capsys):
 def test_a_missing_source_folder_is_a_clear_error(learner, tmp_path):
     with pytest.raises(LabkitError, match="no solution notebooks in .*pass --source"):
         progress.recheck_folder(learner, tmp_path / "nowhere")
+
+
+def test_deleted_check_and_text_cells_still_leave_the_answer_graded_and_the_file_untouched(learner):
+    edit(learner, answered("00.1"))
+
+    def delete(nb):
+        nb.cells = [cell for cell in nb.cells if cell.cell_type == "code" and 'grading.check(' not in cell.source]
+    edit(learner, delete)
+    before = (learner / NAME).read_bytes()
+    assert statuses(learner) == {"00.1": grading.PASSED, "00.2": grading.NOT_YET}
+    assert (learner / NAME).read_bytes() == before, "labkit progress wrote into the learner's notebook"
+
+
+def test_an_exercise_renumbered_by_the_learner_is_named_and_nothing_is_written(learner):
+    def renumber(nb):
+        cell = next(c for c in nb.cells if student.exercise_id_of(c) == "00.2")
+        cell.source = cell.source.replace("# exercise 00.2", "# exercise 00.9", 1)
+    edit(learner, renumber)
+    before = (learner / NAME).read_bytes()
+    row = next(row for row in progress.recheck_folder(learner).rows if row.exercise == "00.2")
+    assert row.status == progress.MISSING
+    assert "it has a cell for exercise 00.9, which is not one of 00_start_here's exercises" in row.message
+    assert "put back '# exercise 00.2'" in row.message
+    assert (learner / NAME).read_bytes() == before

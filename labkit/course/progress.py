@@ -96,12 +96,18 @@ def _answers(path: Path) -> dict[str, str]:
 def _notebook_rows(path: Path, answers: dict[str, str], solutions: dict) -> list[grading.Progress]:
     number = path.name[:2]
     rows = []
-    for eid, spec in registry().items():
+    exercises = registry()
+    # Exercise cells whose ID is not one of this notebook's (renumbered by hand, or pasted from another notebook).
+    strangers = [eid for eid in answers if eid not in exercises or not exercises[eid].notebook.startswith(number + "_")]
+    for eid, spec in exercises.items():
         if not spec.notebook.startswith(number + "_"):
             continue
         if eid not in answers:
+            found = (f"; it has a cell for exercise {', '.join(strangers)}, which is not one of {spec.notebook}'s "
+                     f"exercises: put back '# exercise {eid}' as that cell's first line if it is this one"
+                     if strangers else "")
             message = (f"{path.name} has no cell starting '# exercise {eid}' (deleted?); copy it back from a fresh "
-                       "student edition (make student DEST=elsewhere) and answer it again")
+                       f"student edition (make student DEST=elsewhere) and answer it again{found}")
             rows.append(grading.Progress(spec.notebook, eid, spec.title, MISSING, message))
             continue
         result = recheck(eid, answers[eid], solutions[eid].function, f"{path.name} exercise {eid}")
