@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,7 +90,7 @@ class Room:
     hub: subprocess.Popen
     log: Path
     started: float
-    earlier_work: Path
+    earlier_work: Path | None = None
     tokens: dict[str, str] = field(default_factory=dict)
     processes: dict[int, psutil.Process] = field(default_factory=dict)
     stopped: list[str] | None = None
@@ -268,6 +269,21 @@ def submit(room: Room, learner: str, server: str) -> None:
     assert not (isinstance(reply.json(), dict) and reply.json().get("success") is False), reply.json().get("value")
 
 
+def start_hub(course: Path, folder: Path, learners, args: list[str], env: dict[str, str], started: float) -> Room:
+    """The shipped configuration in a process group of its own, on free loopback ports (``args``: overrides)."""
+    port = free_port()
+    env = {**os.environ, "GRADIENTLAB_COURSE": str(course), "GRADIENTLAB_ROOM": str(folder),
+           "GRADIENTLAB_LEARNERS": " ".join(learners), "GRADIENTLAB_HUB_PORT": str(port),
+           "GRADIENTLAB_HUB_API_PORT": str(free_port()), "GRADIENTLAB_PROXY_API_PORT": str(free_port()), **env}
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder.parent / f"{folder.name}-hub.log"
+    with log.open("w") as sink:
+        hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(ROOT / "workshop" / "jupyterhub_config.py"),
+                                *args], cwd=folder.parent, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    return Room(f"http://127.0.0.1:{port}", course, folder, hub, log, started)
+
+
 @pytest.fixture(scope="module")
 def room(tmp_path_factory):
     """A course with ps1 = 00 released to the exchange, and the workshop hub running for ada and bo."""
@@ -277,22 +293,14 @@ def room(tmp_path_factory):
     course = base / "course"
     layout.create_course([NOTEBOOK], course, ASSIGNMENT)
     nbgrader(course, "release_assignment", ASSIGNMENT)
-    port = free_port()
-    env = {**os.environ, "GRADIENTLAB_COURSE": str(course), "GRADIENTLAB_ROOM": str(base / "room"),
-           "GRADIENTLAB_LEARNERS": " ".join(LEARNERS), "GRADIENTLAB_HUB_PORT": str(port),
-           "GRADIENTLAB_HUB_API_PORT": str(free_port()), "GRADIENTLAB_PROXY_API_PORT": str(free_port())}
     # ada worked on 00.1 at an earlier session of the room: the hub must start her server on that file.
     earlier = nbformat.read(course / "release" / ASSIGNMENT / NOTEBOOK.name, 4)
     answer_with_solutions(earlier, ("00.1",))
     earlier_work = base / "room" / "learners" / "ada" / ASSIGNMENT / NOTEBOOK.name
     earlier_work.parent.mkdir(parents=True)
     nbformat.write(earlier, earlier_work)
-    log = base / "hub.log"
-    with log.open("w") as sink:
-        hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(ROOT / "workshop" / "jupyterhub_config.py"),
-                                "--JupyterHub.authenticator_class=dummy"],
-                               cwd=base, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    room = Room(f"http://127.0.0.1:{port}", course, base / "room", hub, log, started, earlier_work)
+    room = start_hub(course, base / "room", LEARNERS, ["--JupyterHub.authenticator_class=dummy"], {}, started)
+    room.earlier_work = earlier_work
     room.phase("proxy install, course laid out and released")
     try:
         wait_for(lambda: _answers(room.url + "/hub/api/"), "the hub to answer", room)
@@ -317,13 +325,15 @@ def _answers(url: str) -> bool:
 @pytest.fixture(scope="module")
 def worked(room):
     """Both learners work in their servers and submit; the instructor collects and autogrades."""
-    servers = {learner: start_server(room, learner) for learner in LEARNERS}
-    room.remember_processes()
-    room.phase("two servers started")
-    results = {"ada": work_on_00(room, "ada", servers["ada"], answer=("00.2",))}
-    room.phase("ada ran 00 in her server")
-    results["bo"] = work_on_00(room, "bo", servers["bo"], answer=())
-    room.phase("bo ran 00 in his server")
+    # As in a room, both at once: two servers starting, then two learners running 00 side by side.
+    with ThreadPoolExecutor(len(LEARNERS)) as pool:
+        servers = dict(zip(LEARNERS, pool.map(lambda learner: start_server(room, learner), LEARNERS)))
+        room.remember_processes()
+        room.phase("two servers started")
+        answers = {"ada": ("00.2",), "bo": ()}
+        results = dict(zip(LEARNERS, pool.map(lambda learner: work_on_00(room, learner, servers[learner],
+                                                                          answers[learner]), LEARNERS)))
+    room.phase("ada and bo ran 00 in their servers")
     for learner in LEARNERS:
         submit(room, learner, servers[learner])
     nbgrader(room.course, "collect", ASSIGNMENT)
@@ -377,3 +387,20 @@ def test_ctrl_c_stops_the_hub_and_everything_it_started(room, worked):
     print(f"workshop test wall time: {time.monotonic() - room.started:.1f} s at load {os.getloadavg()[0]:.1f}, "
           f"CPU {cpu.user + cpu.system + cpu.children_user + cpu.children_system:.0f} s (pytest and what it waited "
           f"for); phases (s): {room.phases}")
+
+
+def test_the_shipped_login_admits_the_room_password_and_the_listed_names_only(room, tmp_path):
+    """The configuration as shipped, authenticator included (shared-password): no dummy login."""
+    hub = start_hub(room.course, tmp_path / "room", ("ada",), [], {"GRADIENTLAB_ROOM_PASSWORD": "correct horse"},
+                    time.monotonic())
+    try:
+        wait_for(lambda: _answers(hub.url + "/hub/api/"), "the shipped hub to answer", hub)
+
+        def login(name: str, password: str) -> int:
+            return hub.api("POST", f"/hub/api/users/{name}/tokens",
+                           json={"auth": {"username": name, "password": password}}).status_code
+        assert (login("ada", "correct horse"), login("ada", "wrong horse"), login("eve", "correct horse")) == \
+            (201, 403, 403)
+        assert "DummyAuthenticator" not in hub.log.read_text()
+    finally:
+        assert hub.stop() == [], f"still running after SIGINT: {hub.stopped}"
