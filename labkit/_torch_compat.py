@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +46,7 @@ __all__ = [
     "tree_flatten",
     "tree_map_only",
     "tree_unflatten",
+    "use_deterministic_algorithms",
 ]
 
 
@@ -107,6 +110,30 @@ def _changed(entry: str, error: Exception) -> TorchCompatError:
         f"torch {torch.__version__} changed {entry}, a private API labkit relies on "
         f"({type(error).__name__}: {error}): install a torch in the range pyproject.toml declares, or report it"
     )
+
+
+# -- deterministic mode without importing inductor (labkit.repro.setup, labkit.grading) -------------
+
+_set_deterministic_algorithms = private("torch._C", "_set_deterministic_algorithms")
+_INDUCTOR_CONFIG = "torch._inductor.config"
+# What torch._inductor.config reads at import for its `deterministic` flag ("1" is on).
+INDUCTOR_DETERMINISTIC_VARIABLE = "TORCHINDUCTOR_DETERMINISTIC"
+
+
+def use_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
+    """`torch.use_deterministic_algorithms`, without importing torch's compiler to set one flag.
+
+    torch's own function imports ``torch._inductor.config`` (which imports dynamo and sympy: about
+    2.5 s of CPU in every kernel that calls `labkit.repro.setup`) only to set its ``deterministic``
+    flag. Here the flag is set directly where inductor is already imported; otherwise it is left
+    for inductor to read at its import from ``TORCHINDUCTOR_DETERMINISTIC``, which this sets, so a
+    later ``torch.compile`` sees the same mode either way. The eager mode is set as torch sets it."""
+    inductor_config = sys.modules.get(_INDUCTOR_CONFIG)
+    if inductor_config is not None and hasattr(inductor_config, "deterministic"):
+        inductor_config.deterministic = mode
+    else:
+        os.environ[INDUCTOR_DETERMINISTIC_VARIABLE] = "1" if mode else "0"
+    _set_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 # -- fake tensors and dispatch modes (labkit.memory's allocation-free runs) -------------------------

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit._torch_compat import use_deterministic_algorithms
 from labkit.errors import LabkitError
 from labkit.exercises import Exercise, Hint, NotYet, exercise_order, registry
 from labkit.messages import describe_error
@@ -425,7 +426,7 @@ _SETTINGS: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {
     "default device": (torch.get_default_device, torch.set_default_device),
     "deterministic": (
         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
-        lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1]),
+        lambda value: use_deterministic_algorithms(value[0], warn_only=value[1]),
     ),
     "anomaly mode": (
         lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),

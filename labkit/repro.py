@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from labkit import figures
+from labkit._torch_compat import use_deterministic_algorithms
 from labkit.devices import resolve_device
 from labkit.errors import LabkitError
 from labkit.parameters import check_parameters
@@ -51,7 +52,7 @@ def setup(seed: int = 0, device: str = "auto", deterministic: bool = True) -> to
     seed_everything(seed)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
         # Only CUDA has ops without a deterministic kernel; their warnings would make a GPU run's
         # stored outputs differ from the CPU's, so they are silenced (the op still runs).
@@ -71,8 +72,8 @@ def fastest_kernels() -> Iterator[None]:
     Taught in ``13_memory`` (case K3)."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(False)
+    use_deterministic_algorithms(False)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        use_deterministic_algorithms(enabled, warn_only=warn_only)

@@ -29,3 +29,34 @@ def test_generated_data_is_seeded():
     assert torch.equal(datasets.regression(seed=4)[1], datasets.regression(seed=4)[1])
     points, labels = datasets.spirals(samples=90, arms=3)
     assert points.shape == (90, 2) and labels.bincount().tolist() == [30, 30, 30]
+
+
+def test_the_digits_are_read_without_scikit_learn_and_equal_its_load_digits(monkeypatch):
+    import numpy as np
+    import sklearn.datasets
+
+    expected = sklearn.datasets.load_digits()
+
+    def refuse():
+        raise AssertionError("the digits were read through load_digits, which imports scikit-learn")
+
+    monkeypatch.setattr(sklearn.datasets, "load_digits", refuse)
+    table = datasets._digits_table()
+    assert np.array_equal(table[:, :-1], expected.data) and np.array_equal(table[:, -1], expected.target)
+    x, y = datasets._load_digits()
+    assert x.dtype == torch.float32 and y.dtype == torch.int64
+    assert torch.equal(x, torch.tensor(expected.data, dtype=torch.float32) / 16.0)
+    assert torch.equal(y, torch.tensor(expected.target, dtype=torch.int64))
+
+
+def test_without_the_csv_where_scikit_learn_keeps_it_load_digits_answers(monkeypatch):
+    import numpy as np
+    import sklearn.datasets
+
+    expected = sklearn.datasets.load_digits()
+    calls = []
+    monkeypatch.setattr(sklearn.datasets, "load_digits", lambda: calls.append(1) or expected)
+    monkeypatch.setattr(datasets, "_DIGITS_CSV", ("datasets", "data", "no_such_digits.csv.gz"))
+    table = datasets._digits_table()
+    assert calls == [1]
+    assert np.array_equal(table[:, :-1], expected.data) and np.array_equal(table[:, -1], expected.target)

@@ -1,6 +1,8 @@
 """labkit.repro (devices, seeding) and labkit.runner (parameter validation, runs that fail clearly, sweeps)."""
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -98,6 +100,35 @@ def test_a_run_writes_only_under_its_folder_with_the_given_parameters(make_noteb
     machine = json.loads((tmp_path / "run" / "p.fingerprint.json").read_text())
     stamped = json.loads((tmp_path / "run" / "p.ipynb").read_text())["metadata"]["labkit"]["fingerprint"]
     assert machine["torch"] == torch.__version__ and stamped["torch"] == torch.__version__
+
+
+# The papermill child as run_notebook starts it (python -P, labkit not imported): without the IRI
+# parser jsonschema would build, nbformat still validates a notebook and still refuses a broken one.
+_CHILD_IMPORTS = """
+import runpy, sys
+child = runpy.run_path(sys.argv[1])
+child["skip_unused_slow_imports"]()
+import nbformat, papermill
+good = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])
+nbformat.validate(good)
+broken = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])
+broken.cells[0]["execution_count"] = "one"
+try:
+    nbformat.validate(broken)
+except nbformat.ValidationError:
+    print("broken notebook refused")
+print("skipped imports loaded:", sorted(set(child["UNUSED_SLOW_IMPORTS"]) & {n for n, m in sys.modules.items() if m}))
+"""
+
+
+def test_the_papermill_child_skips_the_iri_parser_and_still_validates_notebooks():
+    from labkit.runner import _papermill_child
+
+    assert _papermill_child.UNUSED_SLOW_IMPORTS == ("rfc3987_syntax",)
+    done = subprocess.run([sys.executable, "-P", "-c", _CHILD_IMPORTS, _papermill_child.__file__],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["broken notebook refused", "skipped imports loaded: []"]
 
 
 def test_a_raising_cell_is_named_in_the_error(make_notebook, tmp_path):

@@ -3,7 +3,10 @@
 A failure here names the entry and the torch version: that is where an upgrade broke labkit."""
 
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -229,3 +232,55 @@ def test_no_labkit_module_but_the_compat_layer_names_a_private_torch_api():
              for path in sorted(package.rglob("*.py")) if path.name != "_torch_compat.py"
              for number, line in enumerate(path.read_text().splitlines(), 1) if PRIVATE_TORCH.search(line)]
     assert not found, "private torch APIs outside labkit/_torch_compat.py (route them through it):\n" + "\n".join(found)
+
+
+# A fresh interpreter, so that nothing else has imported inductor yet: repro.setup turns
+# deterministic mode on without importing it, and inductor, imported afterwards, is deterministic too.
+_SETUP_LEAVES_INDUCTOR_UNIMPORTED = """
+import sys, torch
+from labkit import repro
+repro.setup(seed=0, device="cpu")
+print("inductor imported by setup:", "torch._inductor.config" in sys.modules)
+print("eager:", torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+import torch._inductor.config as inductor_config
+print("inductor after setup:", inductor_config.deterministic)
+with repro.fastest_kernels():
+    print("inside fastest_kernels:", torch.are_deterministic_algorithms_enabled(), inductor_config.deterministic)
+print("after fastest_kernels:", torch.are_deterministic_algorithms_enabled(), inductor_config.deterministic)
+"""
+
+
+def test_deterministic_mode_is_set_without_importing_inductor_and_inductor_still_follows_it():
+    root = Path(compat.__file__).resolve().parents[1]
+    env = {key: value for key, value in os.environ.items() if key != compat.INDUCTOR_DETERMINISTIC_VARIABLE}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _SETUP_LEAVES_INDUCTOR_UNIMPORTED], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "inductor imported by setup: False",
+        "eager: True True",
+        "inductor after setup: True",
+        "inside fastest_kernels: False False",
+        "after fastest_kernels: True True",
+    ], _broke("use_deterministic_algorithms")
+
+
+def test_deterministic_mode_sets_an_imported_inductor_and_the_eager_flags_as_torch_does():
+    import torch._inductor.config as inductor_config
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              inductor_config.deterministic)
+    try:
+        for mode, warn_only in [(True, True), (False, False), (True, False)]:
+            torch.use_deterministic_algorithms(not mode, warn_only=not warn_only)
+            compat.use_deterministic_algorithms(mode, warn_only=warn_only)
+            ours = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                    inductor_config.deterministic)
+            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+            theirs = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                      inductor_config.deterministic)
+            assert ours == theirs == (mode, warn_only, mode), _broke("use_deterministic_algorithms")
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        inductor_config.deterministic = before[2]

@@ -16,6 +16,12 @@ import logging
 import sys
 
 DEAD_KERNEL_EXIT = 3
+# Optional packages a dependency imports when they are installed, which this process never uses and
+# which cost seconds to import. jsonschema (imported by nbformat) imports rfc3987_syntax, which Jupyter's
+# jsonschema[format-nongpl] installs and which builds an Earley parser for IRIs at import: about 3.5 s of
+# CPU per run. Its one use is jsonschema's "iri" format checker, and nbformat validates notebooks with
+# fastjsonschema and no format checker, as papermill and nbclient do.
+UNUSED_SLOW_IMPORTS = ("rfc3987_syntax",)
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 ORPHANED_EXIT = 4
 
@@ -38,8 +44,16 @@ def die_with_parent() -> None:
         sys.exit(ORPHANED_EXIT)
 
 
+def skip_unused_slow_imports() -> None:
+    """Make an import of each of `UNUSED_SLOW_IMPORTS` fail at once with the ImportError the importing
+    package expects for an optional package that is absent (unless this process imported it already)."""
+    for name in UNUSED_SLOW_IMPORTS:
+        sys.modules.setdefault(name, None)
+
+
 def main(argv: list[str]) -> int:
     die_with_parent()  # first: papermill's import takes seconds, in which the parent may die
+    skip_unused_slow_imports()
     import papermill
     from nbclient.exceptions import DeadKernelError
 
