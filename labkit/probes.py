@@ -5,8 +5,9 @@ or "unavailable" with the reason (a GPU-only probe on a CPU says "needs a CUDA d
 bandwidth and matmul probes measure the CPU (GB/s, GFLOP/s); on a CUDA device they measure the GPU
 (TB/s, TFLOP/s) and can be set against the datasheet ceilings in `DATASHEETS`.
 
-Taught in `00_start_here` (the machine's fingerprint, from `labkit.fingerprint`), `12_batch_size` (timer, utilisation), `13_memory` (copy
-bandwidth against its ceiling) and `02_gradients_accumulate` (peak memory).
+Taught in `00_start_here` (the machine's fingerprint, from `labkit.fingerprint`), `12_batch_size`
+(timer, utilisation), `16_speed_and_memory` (copy bandwidth against its ceiling) and
+`02_gradients_accumulate` (peak memory).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def ceiling(kind: str, device=None) -> Reading:
 
     A GPU missing from `DATASHEETS` still gets a copy ceiling estimated from its memory clock and
     bus width. CPUs get none: the OS does not report the memory channels and vector units a CPU
-    ceiling needs. Taught in `13_memory`.
+    ceiling needs. Taught in `16_speed_and_memory`.
     """
     kind = _check_kind(kind)
     dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
@@ -366,8 +367,8 @@ def copy_bandwidth(device=None, *, size_mib: float | None = None, warmup: int = 
 
     The buffers default to several times the last-level cache (at least 2 GiB on a GPU, 64 MiB on
     a CPU) so the copy measures memory, not cache; ``size_mib`` sets one buffer's size, and both
-    must fit in the memory available now. GB/s on a CPU, TB/s on a GPU. Taught in `13_memory`;
-    compare with `ceiling("copy")`.
+    must fit in the memory available now. GB/s on a CPU, TB/s on a GPU. Taught in
+    `16_speed_and_memory`; compare with `ceiling("copy")`.
     """
     _check_timing(warmup, min_run_time)
     dev = resolve_device(device, kinds=_MEASURED_KINDS, must_exist=False)
@@ -430,7 +431,7 @@ def peak_memory(device=None) -> Reading:
 def fraction_of_ceiling(achieved: Reading, ceiling_reading: Reading) -> Reading:
     """Achieved / ceiling in percent, converting GB/s↔TB/s and GFLOP/s↔TFLOP/s; unavailable if either is.
 
-    Taught in `13_memory`.
+    Taught in `16_speed_and_memory`.
     """
     if not isinstance(achieved, Reading) or not isinstance(ceiling_reading, Reading):
         raise LabkitError(

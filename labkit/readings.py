@@ -3,7 +3,7 @@
 A memory peak or a bandwidth figure is only useful if you know whether it was measured on this
 machine, estimated from formulas, copied from a datasheet, or could not be had at all.
 `torch.cuda.max_memory_allocated()` returns 0 on a CPU build; a `Reading` never does that: an
-unavailable value has no number and says why. Used in `13_memory` and by
+unavailable value has no number and says why. Used in `16_speed_and_memory` and by
 `labkit.memory` and `labkit.probes`.
 """
 

@@ -69,7 +69,7 @@ def fastest_kernels() -> Iterator[None]:
     """Torch's defaults for a timing: deterministic mode off, so cuDNN and cuBLAS may pick any
     kernel (with ``cudnn.benchmark``, the fastest they find). `setup` turns deterministic mode on
     for the stored outputs; a speed claim is measured as users run. Restores the mode on exit.
-    Taught in ``13_memory`` (case K3)."""
+    Taught in ``16_speed_and_memory`` (case K3)."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     use_deterministic_algorithms(False)

@@ -603,7 +603,7 @@ def prenorm_sublayer(x, norm, sublayer):
 )
 
 variants(
-    "13.2",
+    "16.1",
     alternative="""
 def checkpointed_forward(blocks, x, blocks_per_segment):
     for start in range(0, len(blocks), blocks_per_segment):

@@ -992,9 +992,9 @@ grading.score()
 
 # %% [markdown]
 # ## What comes next
-# This is the last notebook. To go back to a failure by its symptom, use the troubleshooting index
-# in the repository's README; to practise, run `make student` and redo the exercises of any notebook
-# in the student edition.
+# [16 · Speed and memory: what checkpointing, fused attention and CUDA graphs trade](16_speed_and_memory.ipynb):
+# the last notebook goes back inside one device, to what a step's memory buys in speed, and what the
+# article's claims about checkpointing, FlashAttention and CUDA graphs hold up to.
 
 # %% [markdown]
 # ## Further reading
