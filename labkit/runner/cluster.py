@@ -12,8 +12,9 @@ folder; here they are written under the point's folder, where `labkit.runner.swe
 them, so the table and the plots come from `sweep_table` and `write_sweep` as for a local sweep.
 
 Faults: a notebook that raises is a failed point naming its cell, and the others go on; a worker
-that dies mid-point gets the point run once more (the scheduler's ``allowed-failures``, 1 on a
-cluster started here), then the point fails naming ``KilledWorker``; Ctrl-C or SIGTERM asks the
+that dies mid-point gets the point run once more on another worker, and a point whose second try
+dies too is failed (the point counts its own starts; dask's ``retries=1`` covers a task that
+raised); Ctrl-C or SIGTERM asks the
 running points to stop (a distributed Event they watch), cancels the rest, and closes a cluster
 started here; a scheduler that cannot be reached within ``connect_timeout`` seconds is a
 LabkitError. `distributed` is imported only when a cluster is asked for (the ``cluster`` extra).
@@ -51,10 +52,11 @@ MAX_TRIES = 2  # a point whose worker died is run once more, then failed
 WORKER_LOOK_SECONDS = 2.0  # how often the client re-reads the cluster's workers (how many points fit at once)
 POLL_SECONDS = 0.25  # how often the client looks at its futures and the workers' start events
 STOP_WAIT_SECONDS = 15.0  # after Ctrl-C, how long running points get to stop and send back what they have
-# A cluster started here: a worker whose process dies mid-point costs the point one more try, and the
-# second death marks it KilledWorker. A running scheduler keeps its own setting (3 by default); there
-# the client cancels a point's third start itself (`_note_starts`).
-LOCAL_CLUSTER_CONFIG = {"distributed.scheduler.allowed-failures": MAX_TRIES - 1}
+# A point's tries are its starts on a worker, counted by the point itself (`_run_point`): the
+# scheduler's own count (allowed-failures) charges a worker's death to every point assigned to it,
+# even one queued behind the point it was running, so on a cluster started here it is set high
+# enough never to decide first; a running scheduler keeps its own setting (3 by default).
+LOCAL_CLUSTER_CONFIG = {"distributed.scheduler.allowed-failures": 4 * MAX_TRIES}
 ADDRESS_SCHEMES = ("tcp://", "tls://", "ucx://", "inproc://", "ws://", "wss://")
 
 
@@ -222,7 +224,7 @@ def _run_points(distributed, client, spec: ClusterSpec, notebook: Path, points: 
                                              threads, topic, stop_name, key=f"labkit-point-{point.index}-{token}",
                                              pure=False, retries=1)
                 in_flight[point.index] = point
-            _note_starts(client, starts, in_flight, say)
+            _note_starts(starts, in_flight, say)
             for index in [i for i, p in in_flight.items() if p.future.done()]:
                 results[index] = _collect(in_flight.pop(index), notebook, say)
             line = _progress_line(results, in_flight, len(waiting), len(points))
@@ -249,17 +251,15 @@ def _threads_by_host(client) -> dict[str, int]:
     return totals
 
 
-def _note_starts(client, starts: list[dict], in_flight: dict, say: Callable[[str], None]) -> None:
-    """Record which worker started each point; a third start (a scheduler allowing more failures) is cancelled."""
+def _note_starts(starts: list[dict], in_flight: dict, say: Callable[[str], None]) -> None:
+    """Record which worker started each point, and say when a point starts again after its worker died."""
     while starts:
         event = starts.pop(0)
         point = in_flight.get(event["point"])
         if point is None:
             continue
         point.workers.append(event["worker"])
-        if len(point.workers) > MAX_TRIES:
-            client.cancel([point.future])  # collected as failed, naming the deaths (see _task_failure)
-        elif len(point.workers) > 1:
+        if len(point.workers) > 1:
             say(f"{folder_name(point.values)}: started again on {event['worker']} (try {len(point.workers)}; "
                 f"the worker running it before, {point.workers[-2]}, died)")
 
@@ -275,7 +275,9 @@ def _progress_line(results: dict, in_flight: dict, not_submitted: int, total: in
 def _collect(point: _Point, notebook: Path, say: Callable[[str], None]) -> RunResult:
     """The finished future's result written into the point's folder; a task that erred is a failed point."""
     future = point.future
-    if future.status == "finished":
+    if future.status == "finished" and "refused" in future.result():
+        result = _refused(point, notebook, future.result())
+    elif future.status == "finished":
         result = _write_point(point.folder, future.result(), notebook)
     else:
         error = future.exception() if future.status == "error" else None
@@ -290,13 +292,19 @@ def _collect(point: _Point, notebook: Path, say: Callable[[str], None]) -> RunRe
 
 def _task_failure(status: str, error: BaseException | None, point: _Point) -> str:
     name = type(error).__name__ if error is not None else status
-    if name == "KilledWorker" or len(point.workers) > MAX_TRIES:
-        return (f"the worker running it died {len(point.workers) or 'twice'} time(s) (KilledWorker: {error}); "
-                "the point was tried on another worker and not retried again")
+    if name == "KilledWorker":
+        return (f"the workers it was given to died ({error}); the scheduler gave up on it "
+                "(its distributed.scheduler.allowed-failures)")
     if error is None:
         return f"the scheduler {status} the point before it finished (its connection was lost, or it was cancelled)"
     return (f"the point could not run on its worker ({name}: {error}); a worker needs the project and its "
             f"lock installed: {INSTALL_HINT} (README, Sweeps at scale)")
+
+
+def _refused(point: _Point, notebook: Path, payload: dict) -> RunResult:
+    workers = ", ".join(payload["workers"])
+    return _failed_point(point, notebook, f"the worker running it died {len(payload['workers'])} times (on "
+                         f"{workers}): it was run once more after the first death, then given up")
 
 
 def _failed_point(point: _Point, notebook: Path, error: str, status: str = "failed") -> RunResult:
@@ -360,7 +368,10 @@ def _run_point(index: int, name: str, source: bytes, point: dict, timeout: float
     import distributed
     from distributed.comm import get_address_host
 
-    worker = distributed.get_worker()
+    worker, client = distributed.get_worker(), distributed.get_client()
+    before = [msg["worker"] for _, msg in client.get_events(topic) if msg["point"] == index]
+    if len(before) >= MAX_TRIES:  # each earlier start ended with its worker's death: no more tries
+        return {"refused": True, "workers": before}
     worker.log_event(topic, {"point": index, "worker": worker.address, "pid": os.getpid()})
     on_host = threads_by_host.get(get_address_host(worker.address)) or worker.state.nthreads
     threads = str(max(1, (os.cpu_count() or 1) // max(1, on_host)))
@@ -372,7 +383,7 @@ def _run_point(index: int, name: str, source: bytes, point: dict, timeout: float
         run_dir = scratch / "run"
         stop, finished = threading.Event(), threading.Event()
         # made here, in the task's thread, where the worker's client is found; waited on in the watcher's
-        request = distributed.Event(stop_name, client=distributed.get_client())
+        request = distributed.Event(stop_name, client=client)
         watcher = threading.Thread(target=_watch, args=(request, stop, finished),
                                    name=f"labkit-stop-watch-{index}", daemon=True)
         watcher.start()
