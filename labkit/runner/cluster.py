@@ -244,7 +244,7 @@ def _run_points(distributed, client, spec: ClusterSpec, notebook: Path, points: 
 
 
 def _threads_by_host(client) -> dict[str, int]:
-    """Host -> worker threads on it: each point's OMP_NUM_THREADS is the host's cores over that number."""
+    """Host -> worker threads on it: each point's OMP_NUM_THREADS is the worker's usable cores over that number."""
     totals: dict[str, int] = {}
     for worker in client.scheduler_info(n_workers=-1)["workers"].values():
         totals[worker["host"]] = totals.get(worker["host"], 0) + worker["nthreads"]
@@ -374,7 +374,7 @@ def _run_point(index: int, name: str, source: bytes, point: dict, timeout: float
         return {"refused": True, "workers": before}
     worker.log_event(topic, {"point": index, "worker": worker.address, "pid": os.getpid()})
     on_host = threads_by_host.get(get_address_host(worker.address)) or worker.state.nthreads
-    threads = str(max(1, (os.cpu_count() or 1) // max(1, on_host)))
+    threads = str(max(1, _usable_cores() // max(1, on_host)))
     scratch = Path(tempfile.mkdtemp(prefix="labkit-point-", dir=worker.local_directory))
     try:
         notebook = scratch / "source" / name
@@ -397,6 +397,13 @@ def _run_point(index: int, name: str, source: bytes, point: dict, timeout: float
                 "source": str(notebook.resolve())}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (a Slurm or container allocation), not the whole machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _watch(event, stop: threading.Event, finished: threading.Event) -> None:
