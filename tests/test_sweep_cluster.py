@@ -6,9 +6,11 @@ process, found as the parent of the papermill child that started the point's ker
 """
 
 import csv
+import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -164,3 +166,39 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_running_point_and_closes_the_cluster_it_started(make_notebook, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    nb = make_notebook("k", f"ready = {str(ready)!r}\nhold = 0", KILLABLE)
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "labkit", "repro", str(nb), "--sweep", "hold=1,2", "--cluster", "local:1",
+               "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    # a session of its own, so that the SIGINT below reaches the whole group, as Ctrl-C in a terminal does
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(ready.iterdir()):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.2)
+        kernel = int(next(ready.iterdir()).name.split("-")[2])
+        started = psutil.Process(process.pid).children(recursive=True)
+        interrupted = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, (stdout, stderr)
+    assert time.monotonic() - interrupted < 60
+    assert "labkit repro: interrupted" in stderr and "never started" in stderr, stderr
+    time.sleep(2)  # the kernel polls for its parent once a second
+    assert not running(kernel), "the running point's kernel outlived Ctrl-C"
+    assert not [p.pid for p in started if running(p.pid)], "a worker, nanny or papermill process outlived Ctrl-C"
+    statuses = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/k.result.json")}
+    assert statuses == {"hold=1": "interrupted", "hold=2": "interrupted"}, statuses
+    assert not (out / cluster.LOCAL_SCRATCH).exists()
