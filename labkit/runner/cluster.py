@@ -22,9 +22,11 @@ LabkitError. `distributed` is imported only when a cluster is asked for (the ``c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -122,20 +124,21 @@ def cluster_sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Pa
     existed = Path(out_dir).exists()
     out_dir = require_empty_folder(out_dir, "sweep folder")
     say = progress or (lambda line: None)
-    try:
-        client, local = _connect(distributed, spec, connect_timeout, out_dir)
-    except BaseException:
-        shutil.rmtree(out_dir / LOCAL_SCRATCH, ignore_errors=True)
-        if not existed:
-            out_dir.rmdir()  # nothing was run: leave no empty sweep folder behind
-        raise
-    try:
-        folders = [new_folder(out_dir, folder_name({k: point[k] for k in grid})) for point in points]
-        return _run_points(distributed, client, spec, notebook, points, folders, timeout, say)
-    finally:
-        _close(client, local)
-        if local is not None:
+    with _local_settings(spec, distributed):
+        try:
+            client, local = _connect(distributed, spec, connect_timeout, out_dir)
+        except BaseException:
             shutil.rmtree(out_dir / LOCAL_SCRATCH, ignore_errors=True)
+            if not existed:
+                out_dir.rmdir()  # nothing was run: leave no empty sweep folder behind
+            raise
+        try:
+            folders = [new_folder(out_dir, folder_name({k: point[k] for k in grid})) for point in points]
+            return _run_points(distributed, client, spec, notebook, points, folders, timeout, say)
+        finally:
+            _close(client, local)
+            if local is not None:
+                shutil.rmtree(out_dir / LOCAL_SCRATCH, ignore_errors=True)
 
 
 def _import_distributed():
@@ -149,14 +152,11 @@ def _import_distributed():
 
 def _connect(distributed, spec: ClusterSpec, connect_timeout: float, out_dir: Path):
     """(client, the LocalCluster started here or None); a LabkitError when the scheduler cannot be reached."""
-    import dask
-
     if spec.kind == "local":
-        with dask.config.set(LOCAL_CLUSTER_CONFIG):
-            local = distributed.LocalCluster(
-                n_workers=spec.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                scheduler_port=0, dashboard_address=None, memory_limit=0,
-                local_directory=str(out_dir / LOCAL_SCRATCH), silence_logs=logging.ERROR)
+        local = distributed.LocalCluster(
+            n_workers=spec.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+            scheduler_port=0, dashboard_address=None, memory_limit=0,
+            local_directory=str(out_dir / LOCAL_SCRATCH), silence_logs=logging.ERROR)
         try:
             return distributed.Client(local, timeout=connect_timeout), local
         except BaseException:
@@ -179,6 +179,32 @@ def _connect(distributed, spec: ClusterSpec, connect_timeout: float, out_dir: Pa
                           "(`dask worker ADDRESS`, or scale the jobqueue or Kubernetes cluster) or allow longer "
                           "with --connect-timeout") from error
     return client, None
+
+
+@contextlib.contextmanager
+def _local_settings(spec: ClusterSpec, distributed):
+    """Dask's settings for a cluster started here, for all its life (a worker the nanny restarts reads them too).
+
+    `LOCAL_CLUSTER_CONFIG`, and where the platform has forkserver, workers forked from one process
+    that imported the runner.
+
+    Spawned workers each start a fresh interpreter and import `distributed`, then labkit's runner
+    (torch among it) before their first point; forked from a server that imported both once, they
+    start with them loaded. The server imports only modules, runs nothing, and starts no threads.
+    """
+    import dask
+
+    if spec.kind != "local":
+        yield
+        return
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        with dask.config.set(LOCAL_CLUSTER_CONFIG):
+            yield
+        return
+    with dask.config.set({**LOCAL_CLUSTER_CONFIG, "distributed.worker.multiprocessing-method": "forkserver"}):
+        context = distributed.utils.get_mp_context()  # distributed sets its own preload list once, here
+        context.set_forkserver_preload(["distributed", __name__])
+        yield
 
 
 def _close(client, local) -> None:
