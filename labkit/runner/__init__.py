@@ -9,12 +9,14 @@ refreshes the committed outputs. The notebooks themselves need only `labkit.repr
 - `paths`: fresh run folders, safe folder names, the proof that a written path is inside its run folder;
 - `processes`: stopping a whole process tree on any platform; SIGTERM handled as Ctrl-C;
 - `sweep`: a grid of runs, tabulated and plotted;
+- `cluster`: a sweep's points on a Dask cluster (`--cluster`; the `cluster` extra, imported only when asked for);
 - `summary`: the workbook run's summary files;
 - `execute`: executing a committed notebook in place;
 - `cli`: the command-line entry points.
 """
 
 from labkit.runner.cli import execute_main, normalise_main, repro_main, workbook_main
+from labkit.runner.cluster import cluster_sweep, parse_cluster
 from labkit.runner.execute import execute_in_place
 from labkit.runner.parameters import notebook_parameters, parameters_cell, parse_value, validate_parameters
 from labkit.runner.run import RunResult, resolve_notebook, run_notebook
@@ -23,12 +25,14 @@ from labkit.runner.sweep import grid_points, parse_sweep, plot_sweep, sweep, swe
 
 __all__ = [
     "RunResult",
+    "cluster_sweep",
     "execute_in_place",
     "execute_main",
     "grid_points",
     "normalise_main",
     "notebook_parameters",
     "parameters_cell",
+    "parse_cluster",
     "parse_sweep",
     "parse_value",
     "plot_sweep",

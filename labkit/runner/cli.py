@@ -10,6 +10,7 @@ from pathlib import Path
 
 from labkit.errors import LabkitError
 from labkit.notebooks import normalise_file, select_notebooks
+from labkit.runner.cluster import CONNECT_TIMEOUT, ClusterSpec, cluster_sweep, parse_cluster
 from labkit.runner.execute import execute_in_place
 from labkit.runner.parameters import parse_value, validate_parameters
 from labkit.runner.paths import inside, new_folder, new_run_folder, safe_name
@@ -103,10 +104,22 @@ def repro_main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds for each run")
     parser.add_argument("--workers", type=int, help="parallel runs in a sweep (default: half the cores)")
     parser.add_argument("--out", help="a new or empty output folder (default: runs/NOTEBOOK/TIME-SUFFIX)")
+    parser.add_argument("--cluster", metavar="local:N|tcp://HOST:PORT|SCHEDULER_FILE",
+                        help="run the sweep's points on Dask: a LocalCluster of N worker processes, a running "
+                             "scheduler, or the scheduler file it wrote (needs labkit[cluster]; README, Sweeps at scale)")
+    parser.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT,
+                        help=f"seconds to reach the --cluster scheduler and find a worker (default {CONNECT_TIMEOUT:g})")
     args = parser.parse_args(argv)
     timeout = check_timeout(args.timeout, "--timeout")
     if args.workers is not None and args.workers < 1:
         raise LabkitError(f"--workers must be 1 or more, got {args.workers}")
+    cluster = parse_cluster(args.cluster) if args.cluster is not None else None
+    connect_timeout = check_timeout(args.connect_timeout, "--connect-timeout")
+    if cluster is not None and not args.sweep:
+        raise LabkitError("--cluster runs the points of a sweep: add --sweep NAME=V1,V2,... (one run needs no cluster)")
+    if cluster is not None and args.workers is not None:
+        raise LabkitError("--workers sizes the local runner; with --cluster the cluster's workers run the points "
+                          "(local:N starts N): drop --workers")
     notebook = resolve_notebook(args.notebook)
     given = _given_once(args.parameter)
     grid = parse_sweep(args.sweep)
@@ -118,7 +131,7 @@ def repro_main(argv: list[str]) -> int:
         validate_parameters(notebook, dict(params, **point))
     out = Path(args.out) if args.out else new_run_folder(Path("runs") / safe_name(notebook.stem))
     if args.sweep:
-        return _report_sweep(notebook, grid, params, out, timeout, args.workers)
+        return _report_sweep(notebook, grid, params, out, timeout, args.workers, cluster, connect_timeout)
     result = run_notebook(notebook, out, params, timeout=timeout)
     print(f"{result.notebook}: {result.status} in {result.seconds:.1f} s -> {result.output}")
     if result.error:
@@ -136,8 +149,13 @@ def _given_once(pairs: list[list[str]]) -> dict[str, object]:
     return {name: parse_value(value) for name, value in given.items()}
 
 
-def _report_sweep(notebook: Path, grid: dict, fixed: dict, out: Path, timeout: float, workers: int | None) -> int:
-    results = sweep(notebook, grid, out, fixed, timeout=timeout, workers=workers)
+def _report_sweep(notebook: Path, grid: dict, fixed: dict, out: Path, timeout: float, workers: int | None,
+                  cluster: ClusterSpec | None = None, connect_timeout: float = CONNECT_TIMEOUT) -> int:
+    if cluster is None:
+        results = sweep(notebook, grid, out, fixed, timeout=timeout, workers=workers)
+    else:
+        results = cluster_sweep(notebook, grid, out, fixed, timeout=timeout, cluster=cluster,
+                                connect_timeout=connect_timeout, progress=lambda line: print(line, flush=True))
     table = sweep_table(results, list(grid))
     written = write_sweep(table, out)
     print(md_table(list(table[0]), [list(row.values()) for row in table]))

@@ -1,0 +1,204 @@
+"""Sweeps on a Dask cluster (issue 21): a real LocalCluster of worker processes, against the local runner.
+
+The notebooks are small ones made here (a parameters cell and a metric), so each point costs a kernel
+start and little more; the cluster tests are marked slow. A worker is killed for real (SIGKILL of its
+process, found as the parent of the papermill child that started the point's kernel).
+"""
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from labkit import LabkitError, runner
+from labkit.runner import cluster
+
+pytest.importorskip("distributed", reason="the cluster extra is not installed: pip install 'labkit[cluster]'")
+
+PARAMS = "seed = 0\nsteps = 1"
+RAISES = "if steps == 3 and seed == 5:\n    raise ValueError('steps=3 with seed=5 is the planted failure')"
+METRIC = "from labkit import claims\nclaims.metric('score', steps * 10 + seed)"
+GRID = {"steps": [1, 3], "seed": [0, 5]}
+
+
+def rows_without_timing(out: Path) -> list[dict]:
+    with (out / "sweep.csv").open(newline="") as handle:
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in csv.DictReader(handle)]
+
+
+def test_cluster_specs_parse_and_bad_ones_say_what_to_give():
+    assert cluster.parse_cluster("local:3") == cluster.ClusterSpec("local", workers=3)
+    assert cluster.parse_cluster("tcp://10.0.0.5:8786").address == "tcp://10.0.0.5:8786"
+    assert cluster.parse_cluster("scheduler.json").kind == "scheduler-file"
+    for bad in ["local", "local:0", "local:two", "http://host:8786", ""]:
+        with pytest.raises(LabkitError, match="local:N"):
+            cluster.parse_cluster(bad)
+
+
+def test_without_distributed_the_error_names_the_extra(monkeypatch, make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, METRIC)
+    monkeypatch.setitem(sys.modules, "distributed", None)  # import distributed now raises ImportError
+    with pytest.raises(LabkitError, match=r"pip install 'labkit\[cluster\]'"):
+        cluster.cluster_sweep(nb, {"steps": [1, 2]}, tmp_path / "sweep", cluster="local:1")
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_an_unreachable_scheduler_is_a_clear_error_within_the_timeout(make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, METRIC)
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(LabkitError, match=rf"could not reach the scheduler at tcp://127.0.0.1:{port} within 2 s"):
+        cluster.cluster_sweep(nb, {"steps": [1, 2]}, tmp_path / "sweep", cluster=f"tcp://127.0.0.1:{port}",
+                              connect_timeout=2)
+    assert time.monotonic() - started < 2 + 10  # the timeout, plus the import of distributed on a busy machine
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_the_command_line_refuses_cluster_without_a_sweep_and_with_workers(make_notebook):
+    nb = make_notebook("p", PARAMS, METRIC)
+    with pytest.raises(LabkitError, match="add --sweep"):
+        runner.repro_main([str(nb), "--cluster", "local:2"])
+    with pytest.raises(LabkitError, match="drop --workers"):
+        runner.repro_main([str(nb), "--sweep", "steps=1,2", "--cluster", "local:2", "--workers", "2"])
+
+
+@pytest.mark.slow
+def test_a_local_cluster_sweep_fails_one_point_and_matches_the_local_runner(make_notebook, tmp_path):
+    nb = make_notebook("p", PARAMS, RAISES, METRIC)
+    lines = []
+    results = cluster.cluster_sweep(nb, GRID, tmp_path / "dask", timeout=300, cluster="local:2",
+                                    progress=lines.append)
+    assert [r.status for r in results] == ["ok", "ok", "ok", "failed"]
+    assert "cell 1 ('if steps == 3 and seed == 5:') raised ValueError: steps=3 with seed=5" in results[3].error
+    assert [r.metrics.get("score") for r in results] == [10, 15, 30, None]
+    runner.write_sweep(runner.sweep_table(results, list(GRID)), tmp_path / "dask")
+
+    local = runner.sweep(nb, GRID, tmp_path / "local", timeout=300, workers=2)
+    runner.write_sweep(runner.sweep_table(local, list(GRID)), tmp_path / "local")
+    assert rows_without_timing(tmp_path / "dask") == rows_without_timing(tmp_path / "local")
+    assert len(rows_without_timing(tmp_path / "dask")) == 4
+    for on_cluster, here in zip(results, local):  # the same files in each point's folder, and no worker path
+        folder, local_folder = Path(on_cluster.output).parent, Path(here.output).parent
+        assert folder.parent == tmp_path / "dask" and folder.name == local_folder.name
+        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in local_folder.iterdir())
+        assert "labkit-point-" not in (folder / "p.ipynb").read_text()
+        assert (folder / "p.fingerprint.json").exists()
+    assert not (tmp_path / "dask" / cluster.LOCAL_SCRATCH).exists(), "the cluster's scratch folder is removed"
+    assert lines[-1] == "points: 3 done, 0 running, 1 failed, 0 waiting (of 4)"
+    assert any(line.startswith("points: ") and " running" in line and not line.startswith("points: 0 done, 0 running")
+               for line in lines)
+
+
+KILLABLE = (
+    "import os, time\nfrom pathlib import Path\n"
+    "attempt = len(list(Path(ready).glob(f'{hold}-*'))) + 1\n"
+    "Path(ready, f'{hold}-{attempt}-{os.getpid()}').write_text('')\n"
+    "if attempt <= hold:\n    time.sleep(120)  # the test kills this point's worker now"
+)
+
+
+def worker_of_kernel(pid: int) -> psutil.Process:
+    """The Dask worker process running a point: the parent of the papermill child that started the kernel."""
+    process = psutil.Process(pid)
+    while process is not None:
+        if any("_papermill_child" in part for part in process.cmdline()):
+            return process.parent()
+        process = process.parent()
+    raise AssertionError(f"kernel {pid} is not below a papermill child")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_costs_its_point_one_retry_then_the_point_fails(make_notebook, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    nb = make_notebook("k", f"ready = {str(ready)!r}\nhold = 0", KILLABLE)
+    killed, kernels, done = [], [], threading.Event()
+
+    def killer():  # kill the worker of every attempt that waits: hold=1 once, hold=2 on both tries
+        seen = set()
+        while not done.is_set():
+            for marker in ready.iterdir():
+                if marker.name in seen:
+                    continue
+                seen.add(marker.name)
+                hold, attempt, pid = map(int, marker.name.split("-"))
+                if attempt <= hold:
+                    worker = worker_of_kernel(pid)
+                    kernels.append(pid)
+                    killed.append(worker.pid)
+                    os.kill(worker.pid, signal.SIGKILL)
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    lines = []
+    try:
+        results = cluster.cluster_sweep(nb, {"hold": [1, 2]}, tmp_path / "sweep", timeout=300, cluster="local:2",
+                                        progress=lines.append)
+    finally:
+        done.set()
+        thread.join()
+    assert len(killed) == 3 and len(set(killed)) == 3, killed
+    assert results[0].status == "ok", results[0].error
+    assert results[1].status == "failed" and "the worker running it died 2 times" in results[1].error, results[1].error
+    assert any(line.startswith("hold=1: started again on") for line in lines), lines
+    assert any(line.startswith("hold=1: ok") and "after 2 tries" in line for line in lines), lines
+    assert (tmp_path / "sweep" / "hold=2" / "k.result.json").exists()
+    deadline = time.monotonic() + 10  # the killed points' kernels follow their papermill child
+    while time.monotonic() < deadline and any(map(running, kernels)):
+        time.sleep(0.2)
+    assert not [pid for pid in kernels if running(pid)], "a killed point's kernel outlived its worker"
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_running_point_and_closes_the_cluster_it_started(make_notebook, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    nb = make_notebook("k", f"ready = {str(ready)!r}\nhold = 0", KILLABLE)
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "labkit", "repro", str(nb), "--sweep", "hold=1,2", "--cluster", "local:1",
+               "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    # a session of its own, so that the SIGINT below reaches the whole group, as Ctrl-C in a terminal does
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(ready.iterdir()):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.2)
+        kernel = int(next(ready.iterdir()).name.split("-")[2])
+        started = psutil.Process(process.pid).children(recursive=True)
+        interrupted = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, (stdout, stderr)
+    assert time.monotonic() - interrupted < 60
+    assert "labkit repro: interrupted" in stderr and "never started" in stderr, stderr
+    time.sleep(2)  # the kernel polls for its parent once a second
+    assert not running(kernel), "the running point's kernel outlived Ctrl-C"
+    assert not [p.pid for p in started if running(p.pid)], "a worker, nanny or papermill process outlived Ctrl-C"
+    statuses = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/k.result.json")}
+    assert statuses == {"hold=1": "interrupted", "hold=2": "interrupted"}, statuses
+    assert not (out / cluster.LOCAL_SCRATCH).exists()
