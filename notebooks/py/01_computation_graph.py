@@ -8,7 +8,7 @@
 # the way; several of them turn out to be wrong.
 #
 # **You will learn**
-# - what the autograd graph holds: `grad_fn` nodes, their `next_functions` links and the tensors
+# - what the [autograd graph](GLOSSARY.md#autograd-graph) holds: [`grad_fn`](GLOSSARY.md#grad_fn) nodes, their `next_functions` links and the tensors
 #   each node saves
 # - in which order backward runs the nodes, and how gradients are routed through pooling, `cat`,
 #   `stack` and `where`
@@ -210,7 +210,7 @@ print("backward ran:", " -> ".join(order))
 print(f"w.grad = {w.grad.item()}, b.grad = {b.grad.item()}")
 
 # %% [markdown]
-# **Verdict.** The graph, its node names and the reverse walk are as claimed; the rest is not.
+# **[Verdict](GLOSSARY.md#verdict).** The graph, its node names and the reverse walk are as claimed; the rest is not.
 
 # %%
 deferred = value_before_backward != 7.0
@@ -629,7 +629,7 @@ print(claims.case("A6").claim)
 
 # %% [markdown]
 # **Reproduce.** Detach the output of a sigmoid both ways. Gradient-wise both are cut off the graph
-# in the same way; the difference is whether they share memory (and the version counter autograd
+# in the same way; the difference is whether they share memory (and the [version counter](GLOSSARY.md#version-counter) autograd
 # uses to notice in-place changes) with the original.
 
 # %%
@@ -696,7 +696,7 @@ print(claims.case("A7").claim)
 # %% [markdown]
 # **Reproduce.** A digits classifier whose forward pass, with `bug=True`, detaches the first
 # block's output. A line like this is easy to leave behind: added to save memory, or copied from
-# code where a target really must not be trained. `with torch.no_grad():` around the block does the
+# code where a target really must not be trained. [`with torch.no_grad():`](GLOSSARY.md#no_grad-and-inference_mode) around the block does the
 # same.
 #
 # The claim also describes how torchviz draws the cut; the appendix compares that with torchviz's
@@ -923,7 +923,7 @@ claims.check(
 print(claims.case("A9").claim)
 
 # %% [markdown]
-# **Reproduce.** First, two leaf tensors as the two branches: where does their gradient go?
+# **Reproduce.** First, two [leaf tensors](GLOSSARY.md#leaf-tensor) as the two branches: where does their gradient go?
 
 # %%
 condition = torch.tensor([True, False, True])
@@ -985,7 +985,7 @@ print(claims.case("A10").claim)
 
 
 # %% [markdown]
-# **Reproduce.** One loss, `sum((w * x)^2)`, three ways: plain; with a tensor hook on the
+# **Reproduce.** One loss, `sum((w * x)^2)`, three ways: plain; with a tensor [hook](GLOSSARY.md#hook) on the
 # intermediate that clips its gradient to [-1, 1]; and through a custom `autograd.Function` whose
 # backward reverses the gradient's sign (the "gradient reversal" layer of domain adaptation).
 
@@ -1197,7 +1197,7 @@ grading.score()
 # %% [markdown]
 # ## What comes next
 # [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb):
-# backward adds into `.grad`; 02 follows what that does to `zero_grad`, loss reduction and
+# backward adds into `.grad`; 02 follows what that does to `zero_grad`, [loss reduction](GLOSSARY.md#loss-reduction) and
 # accumulation.
 
 # %% [markdown]

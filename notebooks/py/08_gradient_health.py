@@ -4,7 +4,7 @@
 # A loss curve tells you *that* training went wrong; per-layer gradient statistics can tell you
 # *where*. This notebook teaches `labkit.GradTracer` on networks that go wrong (vanishing, saturated,
 # dead, missing, exploding), then measures five claims about gradient monitoring: how early gradients
-# warn, what a hook sees, why a bias gradient can be zero, what a broken skip connection looks like,
+# warn, what a [hook](GLOSSARY.md#hook) sees, why a bias gradient can be zero, what a broken skip connection looks like,
 # and how small LayerNorm gradients really are.
 #
 # **You will learn**
@@ -174,7 +174,7 @@ figure = plot_grad_flow(patient)
 plt.show()
 
 # %% [markdown]
-# **Activations: saturation and dead units.** `activation_history()` gives, per module and step, the
+# **Activations: saturation and [dead units](GLOSSARY.md#dead-unit).** `activation_history()` gives, per module and step, the
 # share of tanh/sigmoid outputs whose derivative is under 2 % of its peak (`saturated`) and the share
 # of ReLU units that were zero for every sample of the step (`dead`).
 
@@ -241,7 +241,7 @@ for (model_name, layer), share in stuck_at_init.items():
     print(f"{model_name:<8} {layer:<9} stuck (saturated, or ReLU at 0): {share:.0%}")
 
 # %% [markdown]
-# **Update:data ratio.** A common rule of thumb says a training step should move a weight matrix by
+# **[Update:data ratio](GLOSSARY.md#update-to-data-ratio).** A common rule of thumb says a training step should move a weight matrix by
 # about 1e-3 of its size. Here the layers below the sigmoid stack barely move at all:
 
 # %%
@@ -449,7 +449,7 @@ class ArticleMonitor:
 # not raise it as well: an alarm that a healthy run also raises tells you nothing about the fault.
 # Whether a std crosses 3x its baseline can hinge on the last digits (the first alert below clears
 # its threshold by 0.1 %), and a GPU rounds differently, so nbval ignores the outputs of this run;
-# the papermill tests check its verdict.
+# the papermill tests check its [verdict](GLOSSARY.md#verdict).
 
 # %% [markdown]
 # **Predict before you run.** With `bug=True` the learning-rate warm-up is not capped. Will the run
@@ -1164,7 +1164,7 @@ grading.score()
 # %% [markdown]
 # ## What comes next
 # [09 · Residual design: pre- versus post-activation, measured](09_residual_design.ipynb): a skip
-# connection is the usual cure for a vanishing gradient; 09 measures how clean its identity path is.
+# connection is the usual cure for a [vanishing gradient](GLOSSARY.md#vanishing-and-exploding-gradients); 09 measures how clean its [identity path](GLOSSARY.md#identity-path) is.
 
 # %% [markdown]
 # ## Further reading

@@ -3,8 +3,8 @@
 #
 # Where the ReLU sits in a residual block decides whether the skip connection is a clean identity
 # path for the gradient. You will measure, on deep residual MLPs trained on digits, how much of the
-# gradient the ReLU after the addition (post-activation, "ResNet v1") really cuts, what reaches the
-# first block, whether the pre-activation identity path ("ResNet v2") is exact, and what it buys.
+# gradient the ReLU after the addition ([post-activation](GLOSSARY.md#pre-activation-and-post-activation), "ResNet v1") really cuts, what reaches the
+# first block, whether the pre-activation [identity path](GLOSSARY.md#identity-path) ("ResNet v2") is exact, and what it buys.
 #
 # **You will learn**
 # - how much gradient a ReLU after the addition (post-activation, ResNet v1) cuts from the skip path
@@ -303,7 +303,7 @@ for design in DESIGNS:
 
 # %% [markdown]
 # **Does it matter for training?** Each design trained for `train_steps` steps at `train_depths`
-# depths; test accuracy in evaluation mode (BatchNorm running statistics).
+# depths; test accuracy in [evaluation mode](GLOSSARY.md#train-and-eval-mode) (BatchNorm [running statistics](GLOSSARY.md#running-statistics)).
 
 # %%
 def train_and_test(design, depth, run_seed):
