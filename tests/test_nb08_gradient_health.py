@@ -1,5 +1,5 @@
-"""08_gradient_health under papermill: the L1 verdict follows the lead measured in the run, and an
-uncapped warm-up is what the loss alarm and the tracer catch."""
+"""08_gradient_health under papermill: the L1 verdict follows the lead measured in the run, an
+uncapped warm-up is what the loss alarm and the tracer catch, and the update:data ratio fires first."""
 
 from pathlib import Path
 
@@ -27,6 +27,12 @@ def test_l1_verdict_follows_the_measured_lead(tmp_path, alert_factor, verdict):
     else:
         assert lead == "none"
     assert isinstance(result.metrics["first_exploding_alert"], int)
+    # what fires first: the first layer's update:data ratio passes 1e-2 long before the loss alarm (in
+    # the capped twin too), and passes the twin's plateau later, still before the loss alarm
+    ratio_lead, plateau_lead = result.metrics["ratio_signal_lead"], result.metrics["plateau_signal_lead"]
+    assert isinstance(ratio_lead, int) and isinstance(plateau_lead, int)
+    assert ratio_lead > plateau_lead > 0 and ratio_lead >= 50
+    assert isinstance(result.metrics["twin_ratio_signal_step"], int)
 
 
 def test_capped_warmup_gives_no_loss_signal_to_warn_of(tmp_path):
@@ -35,3 +41,6 @@ def test_capped_warmup_gives_no_loss_signal_to_warn_of(tmp_path):
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts["L1"] == "untestable"
     assert result.metrics["first_exploding_alert"] == "none"
+    # the run is its own capped twin: it never passes the twin's plateau, and no loss alarm to lead
+    assert result.metrics["plateau_signal_lead"] == "none" and result.metrics["ratio_signal_lead"] == "none"
+    assert isinstance(result.metrics["twin_ratio_signal_step"], int)

@@ -4,7 +4,7 @@
 # Gradient Lab is a workbook of PyTorch training failures. Two blog articles about debugging
 # gradients gave us a list of cases and claims (`python -m labkit claims --catalogue` lists them).
 # **A claim is not a fact**: several of them are wrong. Every notebook takes a family of cases,
-# reproduces each one, measures what really happens, records the verdict the data supports, and
+# reproduces each one, measures what really happens, records the [verdict](GLOSSARY.md#verdict) the data supports, and
 # proves the fix. Then you fix a planted bug yourself, and `labkit` grades your answer.
 #
 # This notebook shows the whole chain on one tiny claim, so that every later notebook reads the same way.
@@ -100,7 +100,7 @@ dev = repro.setup(seed=seed, device=device)
 print(claims.case("Z1").claim)
 
 # %% [markdown]
-# **Reproduce.** One leaf tensor `w`, two different losses, two backward passes, and nothing in between
+# **Reproduce.** One [leaf tensor](GLOSSARY.md#leaf-tensor) `w`, two different losses, two backward passes, and nothing in between
 # (`clear_between=True` sets `w.grad` to None there, as `zero_grad()` would).
 
 # %%

@@ -8,7 +8,7 @@
 # the way; several of them turn out to be wrong.
 #
 # **You will learn**
-# - what the autograd graph holds: `grad_fn` nodes, their `next_functions` links and the tensors
+# - what the [autograd graph](GLOSSARY.md#autograd-graph) holds: [`grad_fn`](GLOSSARY.md#grad_fn) nodes, their `next_functions` links and the tensors
 #   each node saves
 # - in which order backward runs the nodes, and how gradients are routed through pooling, `cat`,
 #   `stack` and `where`
@@ -134,35 +134,13 @@ plt.show()
 # for `w`'s side because `x` needs no gradient. `x` itself has no node at all: a tensor that does
 # not require grad is not part of the graph.
 #
-# Now the three structural details of the claim: what class the nodes are, whether the links run
-# both ways, and in which order backward visits the nodes.
+# Now two structural details of the claim: whether the links run both ways, and in which order
+# backward visits the nodes. (The article also names the nodes' class, `torch._C._FunctionBase`;
+# the [verdict](GLOSSARY.md#verdict) checks it in one line, and the appendix, "A1's node classes", shows what that class is.)
 
 # %%
 add_node = y.grad_fn
 mul_node = add_node.next_functions[0][0]
-
-
-class Square(torch.autograd.Function):
-    """A user-defined op, to compare its node class with the built-in ones."""
-
-    @staticmethod
-    def forward(ctx, tensor):
-        ctx.save_for_backward(tensor)
-        return tensor * tensor
-
-    @staticmethod
-    def backward(ctx, grad):
-        (tensor,) = ctx.saved_tensors
-        return 2 * tensor * grad
-
-
-custom_node = Square.apply(w).grad_fn
-builtin_is_functionbase = isinstance(add_node, torch._C._FunctionBase)
-custom_is_functionbase = isinstance(custom_node, torch._C._FunctionBase)
-all_are_nodes = all(isinstance(n, torch.autograd.graph.Node) for n in (add_node, mul_node, custom_node))
-print(f"AddBackward0 is a torch._C._FunctionBase: {builtin_is_functionbase}")
-print(f"{type(custom_node).__name__} (a custom autograd.Function) is a torch._C._FunctionBase: {custom_is_functionbase}")
-print(f"all three are torch.autograd.graph.Node: {all_are_nodes}")
 print("public attributes of a node:", [a for a in dir(mul_node) if not a.startswith("_")])
 
 # %% [markdown]
@@ -210,13 +188,14 @@ print("backward ran:", " -> ".join(order))
 print(f"w.grad = {w.grad.item()}, b.grad = {b.grad.item()}")
 
 # %% [markdown]
-# **Verdict.** The graph, its node names and the reverse walk are as claimed; the rest is not.
+# **[Verdict](GLOSSARY.md#verdict).** The graph, its node names and the reverse walk are as claimed; the rest is not.
 
 # %%
 deferred = value_before_backward != 7.0
 one_way = "AddBackward0" not in reached_from_product
 graph_as_claimed = sorted(n.name for n in graph.nodes) == ["AccumulateGrad", "AccumulateGrad", "AddBackward0", "MulBackward0"]
 walked_in_reverse = order[0] == "AddBackward0" and order.index("MulBackward0") > 0
+builtin_is_functionbase = isinstance(add_node, torch._C._FunctionBase)  # the class the article names (appendix)
 details_as_claimed = [deferred, not one_way, builtin_is_functionbase]
 claims.check(
     "A1",
@@ -227,11 +206,12 @@ claims.check(
     ),
     evidence=(
         f"the graph holds {len(graph.nodes)} nodes ({', '.join(sorted(n.name for n in graph.nodes))}) linked by "
-        f"next_functions, and backward ran them output-first ({' -> '.join(order)}); but y already held "
-        f"{value_before_backward} before backward (deferred: {deferred}), the links run one way only "
-        f"(walking from x*w reaches {len(reached_from_product)} nodes, none of them its user: {one_way}), and "
-        f"built-in nodes are not torch._C._FunctionBase objects ({builtin_is_functionbase}; only custom "
-        f"autograd.Function nodes are: {custom_is_functionbase})"
+        f"next_functions, and backward ran them {'output-first' if walked_in_reverse else 'in another order'} "
+        f"({' -> '.join(order)}). But y held {value_before_backward} before backward, so the arithmetic "
+        f"{'was' if deferred else 'was not'} deferred; walking from x*w reaches {len(reached_from_product)} "
+        f"nodes, {'none of them' if one_way else 'among them'} its user, so the links run "
+        f"{'one way only' if one_way else 'both ways'}; and a built-in node "
+        f"{'is' if builtin_is_functionbase else 'is not'} a torch._C._FunctionBase (appendix: A1's node classes)"
     ),
 )
 
@@ -629,7 +609,7 @@ print(claims.case("A6").claim)
 
 # %% [markdown]
 # **Reproduce.** Detach the output of a sigmoid both ways. Gradient-wise both are cut off the graph
-# in the same way; the difference is whether they share memory (and the version counter autograd
+# in the same way; the difference is whether they share memory (and the [version counter](GLOSSARY.md#version-counter) autograd
 # uses to notice in-place changes) with the original.
 
 # %%
@@ -696,7 +676,7 @@ print(claims.case("A7").claim)
 # %% [markdown]
 # **Reproduce.** A digits classifier whose forward pass, with `bug=True`, detaches the first
 # block's output. A line like this is easy to leave behind: added to save memory, or copied from
-# code where a target really must not be trained. `with torch.no_grad():` around the block does the
+# code where a target really must not be trained. [`with torch.no_grad():`](GLOSSARY.md#no_grad-and-inference_mode) around the block does the
 # same.
 #
 # The claim also describes how torchviz draws the cut; the appendix compares that with torchviz's
@@ -802,9 +782,8 @@ claims.check(
     evidence=(
         f"the diagnostic idea holds: with detach() after the first block, {len(cut_names)} parameters "
         f"({', '.join(cut_names)}) are unreachable from the loss, get no gradient and never move; without "
-        f"it, {len(fixed_graph.unreachable_params)}. The drawing does not match: make_dot's source draws no red "
-        "dashed gradient arrows, and a cut parameter is not drawn at all, so look for a missing parameter, "
-        "not a missing arrow"
+        f"it, {len(fixed_graph.unreachable_params)}. The article's drawing of the cut does not match what "
+        "torchviz draws (appendix: A7's drawing): look for a missing parameter, not a missing arrow"
     ),
 )
 
@@ -923,7 +902,7 @@ claims.check(
 print(claims.case("A9").claim)
 
 # %% [markdown]
-# **Reproduce.** First, two leaf tensors as the two branches: where does their gradient go?
+# **Reproduce.** First, two [leaf tensors](GLOSSARY.md#leaf-tensor) as the two branches: where does their gradient go?
 
 # %%
 condition = torch.tensor([True, False, True])
@@ -985,7 +964,7 @@ print(claims.case("A10").claim)
 
 
 # %% [markdown]
-# **Reproduce.** One loss, `sum((w * x)^2)`, three ways: plain; with a tensor hook on the
+# **Reproduce.** One loss, `sum((w * x)^2)`, three ways: plain; with a tensor [hook](GLOSSARY.md#hook) on the
 # intermediate that clips its gradient to [-1, 1]; and through a custom `autograd.Function` whose
 # backward reverses the gradient's sign (the "gradient reversal" layer of domain adaptation).
 
@@ -1197,7 +1176,7 @@ grading.score()
 # %% [markdown]
 # ## What comes next
 # [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb):
-# backward adds into `.grad`; 02 follows what that does to `zero_grad`, loss reduction and
+# backward adds into `.grad`; 02 follows what that does to `zero_grad`, [loss reduction](GLOSSARY.md#loss-reduction) and
 # accumulation.
 
 # %% [markdown]
@@ -1213,17 +1192,46 @@ grading.score()
 # %% [markdown]
 # ## Appendix: more claims about the article's wording
 # These cases check how the article describes the graph rather than anything a training loop does:
-# whether the graph is a GPU-driver schedule (A1b), whether recording it generates kernels (A1c),
-# and how torchviz draws a cut (A7). Their verdicts are recorded like the others (`python -m labkit
-# claims` lists them); the table above was printed before them.
+# which class a node is (a detail of A1), whether the graph is a GPU-driver schedule (A1b), whether
+# recording it generates kernels (A1c), and how torchviz draws a cut (A7). The verdicts of A1b and
+# A1c are recorded like the others (`python -m labkit claims` lists them); the table above was
+# printed before them.
 
 # %%
-# A1b and A1c use the expression of A1; later cases reused its names, so build it again
+# the appendix uses the expression of A1; later cases reused its names, so build it again
 x = torch.tensor([2.0])
 w = torch.tensor([3.0], requires_grad=True)
 b = torch.tensor([1.0], requires_grad=True)
 y = x * w + b
 graph = autograd_graph(y, {"w": w, "b": b})
+
+
+# %% [markdown]
+# ### A1's node classes: `torch._C._FunctionBase`
+# The article calls the nodes `torch._C._FunctionBase` objects. A1's verdict checked that for the
+# built-in `AddBackward0`; here it is side by side with the node of a user-defined
+# `torch.autograd.Function`. Every node is a `torch.autograd.graph.Node`, the public class to
+# write code against; `_FunctionBase` is the private base of custom Functions only.
+
+# %%
+class Square(torch.autograd.Function):
+    """A user-defined op, to compare its node class with the built-in ones."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.save_for_backward(tensor)
+        return tensor * tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        (tensor,) = ctx.saved_tensors
+        return 2 * tensor * grad
+
+
+builtin_node, custom_node = y.grad_fn, Square.apply(w).grad_fn
+for node in (builtin_node, builtin_node.next_functions[0][0], custom_node):
+    print(f"{type(node).__name__:<16} torch._C._FunctionBase: {isinstance(node, torch._C._FunctionBase)!s:<6} "
+          f"torch.autograd.graph.Node: {isinstance(node, torch.autograd.graph.Node)}")
 
 # %% [markdown]
 # ### Case A1b: is the graph a GPU-driver instruction schedule?

@@ -3,7 +3,7 @@
 #
 # `.grad` is an accumulator, and everything in this notebook follows from that one fact: what
 # happens when `optimizer.zero_grad()` is forgotten or misplaced, why a summed loss ties the step
-# size to the batch size, when accumulating micro-batches really equals one big batch (and when it
+# size to the batch size, when accumulating [micro-batches](GLOSSARY.md#micro-batch) really equals one big batch (and when it
 # does not), what clipping after `zero_grad()` clips, and what `zero_grad()` itself does in the
 # pinned PyTorch. Nine claims from the source articles (family B) are measured on the way.
 #
@@ -69,7 +69,7 @@ from labkit.progress import track
 # %% [markdown]
 # ## Parameters
 # The experiments train a small MLP (64 → `hidden` → 10) on scikit-learn's digits with plain SGD,
-# `steps` steps of `batch` images at learning rate `lr`. Gradient accumulation splits a batch into
+# `steps` steps of `batch` images at learning rate `lr`. [Gradient accumulation](GLOSSARY.md#gradient-accumulation) splits a batch into
 # `micro_batches` micro-batches. `bug=True` runs each reproduction with its planted mistake: the
 # training loop forgets `zero_grad()` (B1), the loss is summed instead of averaged (B3), and the
 # gradient is clipped after `zero_grad()` (B7). `bug=False` runs the same reproductions without it.
@@ -93,7 +93,7 @@ dev = repro.setup(seed=seed, device=device)
 # Everything is in float64 and every random draw of rows comes from a seeded CPU generator, so a
 # CPU and a GPU see the same batches and print the same rounded numbers. `train_digits` takes the
 # order of the three calls of a training step (`zero_grad`, `backward`, `step`) as a name, runs
-# under a `GradTracer` (gradient norm after each step's backward, update:data ratio of each step),
+# under a `GradTracer` (gradient norm after each step's backward, [update:data ratio](GLOSSARY.md#update-to-data-ratio) of each step),
 # and a `StaleGradientWatch` counts the steps whose backward found an old gradient still in `.grad`.
 
 # %%
@@ -350,7 +350,7 @@ late = stale.losses[steps // 2:]
 print(f"without zero_grad, batch loss over the second half of training: min {min(late):.2f}, max {max(late):.2f}")
 
 # %% [markdown]
-# **Verdict.** A loop without `zero_grad()` steps with `lr` times the sum of every gradient so far:
+# **[Verdict](GLOSSARY.md#verdict).** A loop without `zero_grad()` steps with `lr` times the sum of every gradient so far:
 # momentum that never decays. Early on that can even speed training up (the batch loss dips fast),
 # but the sum soon overshoots and the loss swings instead of settling.
 
@@ -690,7 +690,7 @@ for label, report in fixes.items():
 print(claims.case("B5").claim)
 
 # %% [markdown]
-# The article's table (ResNet-50 on an A100, global batch 32: 32×1 at 68% utilisation and 1240
+# The article's table (ResNet-50 on an A100, [global batch](GLOSSARY.md#global-batch) 32: 32×1 at 68% utilisation and 1240
 # img/s, 8×4 at 89% and 1320 img/s, 4×8 at 92% and 1280 img/s) needs a GPU. What a CPU can
 # establish: in every split the optimizer steps once per global batch, and the backward passes
 # per step are `k`. `GradTracer` counts them on a small CNN, and `labkit.memory.training_state` gives
@@ -741,7 +741,7 @@ for micro_rows, k in SPLITS:
 
 # %% [markdown]
 # On a GPU the cell below times each split (`labkit.probes.measure_time`, CUDA events), samples
-# utilisation with NVML (`UtilisationSampler`) and reads the peak memory, on 64×64 images. On a CPU
+# utilisation with NVML (`UtilisationSampler`) and reads the [peak memory](GLOSSARY.md#peak-memory), on 64×64 images. On a CPU
 # it records `needs-gpu`. Its output differs between machines, so nbval ignores it.
 
 # %%
@@ -898,7 +898,7 @@ claims.check(
 # %% [markdown]
 # **The fix, proven.** There is no noise to fix; what makes a curve look noisier is what it logs. Log
 # the loss of the whole accumulated batch (the sum of the `loss / k` values) rather than the last
-# micro-batch's, and under DDP log the loss averaged over ranks rather than rank 0's alone:
+# micro-batch's, and under DDP log the loss averaged over [ranks](GLOSSARY.md#rank-and-world-size) rather than rank 0's alone:
 
 # %%
 accumulated_logs = []
@@ -1003,7 +1003,7 @@ print(f"correct order: reported {reported_norm:.3g}, after clipping {clipped_nor
 print(claims.case("B8").claim)
 
 # %% [markdown]
-# **Reproduce.** `h` is the first layer's output: a non-leaf tensor (it has a `grad_fn`). One copy is
+# **Reproduce.** `h` is the first layer's output: a non-leaf tensor (it has a [`grad_fn`](GLOSSARY.md#grad_fn)). One copy is
 # left alone; a second calls `retain_grad()`, and backward runs twice through it. The reference
 # gradient `dL/dh` comes from a third copy through `torch.autograd.grad`.
 
@@ -1042,7 +1042,7 @@ print("the first layer's weight (a leaf) after those three backward passes, agai
 print(leaf_report)
 
 # %% [markdown]
-# One more thing the measurement shows: the hook that `retain_grad()` installs fires whenever a
+# One more thing the measurement shows: the [hook](GLOSSARY.md#hook) that `retain_grad()` installs fires whenever a
 # gradient flows through `h`, including `torch.autograd.grad` calls, which leave leaves alone.
 
 # %%
@@ -1197,7 +1197,7 @@ grading.score()
 # %% [markdown]
 # ## What comes next
 # [03 · In-place operations: when autograd raises, and when it cannot](03_inplace_ops.ipynb): the
-# tensors backward needs are saved by the forward pass; 03 shows what happens when an in-place op
+# tensors backward needs are saved by the forward pass; 03 shows what happens when an [in-place op](GLOSSARY.md#in-place-operation)
 # overwrites one.
 
 # %% [markdown]
@@ -1261,10 +1261,10 @@ for set_to_none in (True, False):
 # %% [markdown]
 # With the default, `zero_grad()` only sets each `.grad` to `None`: it calls no `zero_()` and frees
 # the buffers, and the next backward allocates fresh ones. Its source (`torch/optim/optimizer.py`)
-# holds nothing about compiled graphs: it loops over the parameter groups, and the
+# holds nothing about compiled graphs: it loops over the [parameter groups](GLOSSARY.md#parameter-group), and the
 # `torch._disable_dynamo` decorator on it keeps `torch.compile` from tracing into it at all.
-# What remains is DDP. Below, a real DDP model (one process, gloo backend, on the CPU) counts its
-# gradient all-reduces with a communication hook, during `backward()` and during `zero_grad()`.
+# What remains is DDP. Below, a real DDP model (one process, [gloo](GLOSSARY.md#gloo) backend, on the CPU) counts its
+# gradient [all-reduces](GLOSSARY.md#all-reduce) with a communication hook, during `backward()` and during `zero_grad()`.
 
 # %%
 if not dist.is_initialized():

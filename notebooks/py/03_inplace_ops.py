@@ -1,8 +1,8 @@
 # %% [markdown]
 # # 03 · In-place operations: when autograd raises, and when it cannot
 #
-# An in-place op (`relu_`, `div_`, `fill_diagonal_`, ...) writes into the memory of an existing
-# tensor. Autograd guards every tensor it saved for backward with a *version counter*, so most
+# An [in-place op](GLOSSARY.md#in-place-operation) (`relu_`, `div_`, `fill_diagonal_`, ...) writes into the memory of an existing
+# tensor. Autograd guards every tensor it saved for backward with a *[version counter](GLOSSARY.md#version-counter)*, so most
 # mistakes end in a loud `RuntimeError`, not in wrong gradients. This notebook measures where that
 # guard fires, the one common way around it, and what really caused the NaN, the collapse and the
 # BatchNorm trouble that the articles blame on in-place ops.
@@ -112,7 +112,7 @@ print(claims.case("C1").claim)
 # %% [markdown]
 # The memory really is reused: `relu_` returns the very tensor it was called on. What protects the
 # gradient is the version counter: every in-place write bumps it, every tensor saved for backward
-# remembers the version it was saved at, and backward refuses a saved tensor whose version moved.
+# remembers the version it was saved at, and backward refuses a [saved tensor](GLOSSARY.md#saved-tensor) whose version moved.
 
 # %%
 h = torch.randn(3, dtype=DTYPE).to(dev)
@@ -126,7 +126,7 @@ print(f"relu_ returns the same tensor: {h.relu_() is h}; version counter {versio
 # (bit-exact in float64) or "wrong"; a `RuntimeError` is recorded as "raises".
 #
 # The last four first let `z * z` save `z` for its backward, then rectify `z`: once with `relu_`,
-# once under `torch.no_grad()`, once through `.detach()` and once through `.data`.
+# once under [`torch.no_grad()`](GLOSSARY.md#no_grad-and-inference_mode), once through `.detach()` and once through `.data`.
 
 # %%
 def after_linear(x, w1, w2, in_place):
@@ -211,7 +211,7 @@ for name, (kind, detail) in outcomes.items():
 
 # %% [markdown]
 # **Measure.** Why does `relu_` after `tanh` raise while `relu_` after a Linear does not? The
-# autograd graph says which tensors each backward node saved (`labkit.autograd_graph`):
+# [autograd graph](GLOSSARY.md#autograd-graph) says which tensors each backward node saved (`labkit.autograd_graph`):
 
 # %%
 x, w1, w2 = fresh_inputs()
@@ -224,7 +224,7 @@ for label, hidden in (("Linear", x @ w1), ("tanh", torch.tanh(x @ w1))):
 # A matrix product saves its *inputs*, so rewriting its output is harmless; `tanh` saves its
 # *output*, so rewriting that output bumps a saved tensor's version and backward refuses it.
 #
-# **Verdict.** Only the edit through `.data` went unnoticed: `.data` hands out the same memory
+# **[Verdict](GLOSSARY.md#verdict).** Only the edit through `.data` went unnoticed: `.data` hands out the same memory
 # without the version counter, so the guard never sees the write.
 
 # %%
@@ -702,7 +702,7 @@ print(claims.case("C5").claim)
 
 
 # %% [markdown]
-# **Reproduce.** In train mode `BatchNorm1d` updates `running_mean` and `running_var` in place on
+# **Reproduce.** In [train mode](GLOSSARY.md#train-and-eval-mode) `BatchNorm1d` updates `running_mean` and `running_var` in place on
 # every forward. Two forwards through the same module (as in a siamese network) and one backward,
 # under anomaly detection, then the gradients against a hand-written batch norm.
 
@@ -734,7 +734,7 @@ bn_report = compare_grads(dict(zip(("input", "weight", "bias"), grads)),
 print("train-mode BatchNorm vs hand-written:", agreement(bn_report))
 
 # %% [markdown]
-# No clash: the update runs outside autograd, and train-mode backward reads the batch statistics
+# No clash: the update runs outside autograd, and train-mode backward reads the [batch statistics](GLOSSARY.md#batch-statistics)
 # saved by the forward, not the running buffers. **Measure** what does make train-mode BatchNorm
 # fail: a batch of one, a batch of identical samples, and one non-finite value in a batch.
 

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 04 · Autograd modes: no_grad, inference_mode, sampling and packed sequences
 #
-# Gradients stop where autograd is told to stop: under `torch.no_grad()`, at a tensor made by a
+# Gradients stop where autograd is told to stop: under [`torch.no_grad()`](GLOSSARY.md#no_grad-and-inference_mode), at a tensor made by a
 # non-differentiable op such as `Normal.sample()`, or where a loss never reads a value. This
 # notebook measures which switches really cut a gradient, which only look as if they do, and what
 # `model.train()`, `rsample()` and `pack_padded_sequence` actually change.
@@ -100,7 +100,7 @@ print(claims.case("N1").claim)
 
 
 # %% [markdown]
-# **Reproduce.** A small classifier with BatchNorm and Dropout, switched to train mode inside a
+# **Reproduce.** A small classifier with BatchNorm and Dropout, switched to [train mode](GLOSSARY.md#train-and-eval-mode) inside a
 # `no_grad` block, then run on a batch of digits.
 
 # %%
@@ -216,7 +216,7 @@ print(f"eval + no_grad: running_mean unchanged: {torch.equal(mean_before, model[
 print(claims.case("N2").claim)
 
 # %% [markdown]
-# **Reproduce.** A `Normal(loc, scale)` whose parameters are leaf tensors. Which of its outputs
+# **Reproduce.** A `Normal(loc, scale)` whose parameters are [leaf tensors](GLOSSARY.md#leaf-tensor). Which of its outputs
 # carry a gradient back to `loc` and `scale`?
 
 # %%
@@ -396,7 +396,7 @@ print("missing alerts by parameter:", sorted({a.name for a in vit_tracer.alerts(
 claims.metric("position_missing_steps", position_missing)
 
 # %% [markdown]
-# **Measure.** The autograd graph of one loss shows the cut directly: `labkit.autograd_graph`
+# **Measure.** The [autograd graph](GLOSSARY.md#autograd-graph) of one loss shows the cut directly: `labkit.autograd_graph`
 # lists the parameters no path from the loss reaches.
 
 # %%
@@ -647,7 +647,7 @@ print(claims.case("N5").claim)
 # gradients with `torch.autograd.gradcheck` in float64, then time forward + backward with CUDA events
 # against `torch.relu`, whose backward is torch's fused `threshold_backward` kernel, and against the
 # same arithmetic written in Python (`HandWrittenReLU`, below). On a CPU nothing is compiled or timed,
-# and the verdict is `needs-gpu`.
+# and the [verdict](GLOSSARY.md#verdict) is `needs-gpu`.
 
 # %%
 class HandWrittenReLU(torch.autograd.Function):
@@ -770,7 +770,7 @@ if dev.type != "cuda":
 # ## Summary
 # - `model.train()` and `model.eval()` switch module behaviour (dropout, BatchNorm statistics);
 #   `torch.no_grad()` and `inference_mode()` switch gradient recording. They are independent:
-#   `train()` inside `no_grad` records no graph, but it does update BatchNorm's running statistics
+#   `train()` inside `no_grad` records no graph, but it does update BatchNorm's [running statistics](GLOSSARY.md#running-statistics)
 #   (N1). Evaluate with `model.eval()` *and* `no_grad`.
 # - `Normal.sample()` has no gradient; `rsample()` is the reparameterised draw, and `log_prob()` is
 #   differentiable as it is (N2). An actor trained through `sample()` receives nothing.

@@ -5,7 +5,7 @@
 # This notebook reads what the pinned PyTorch does, then measures it: trajectories of a weight that
 # the data never pushes, the effective decay during real training on scikit-learn's digits,
 # per-layer step sizes under AdamW with and without warmup, the AdamW update written out by hand,
-# layer-wise decay with parameter groups, and StepLR against CosineAnnealingLR. Five claims
+# layer-wise decay with [parameter groups](GLOSSARY.md#parameter-group), and StepLR against CosineAnnealingLR. Five claims
 # (family E) are checked on the way.
 #
 # **You will learn**
@@ -64,7 +64,7 @@ from labkit.progress import track
 # steps of `batch` images with Adam or AdamW at learning rate `lr` and decay `weight_decay`. The
 # scheduler experiment trains it with SGD (momentum 0.9) at base learning rate `sgd_lr` for `epochs`
 # epochs, over `seeds` seeds. `bug=True` runs the reproduction with the planted mistake:
-# `Adam(weight_decay=…)` where decoupled weight decay (AdamW) was meant. `bug=False` uses AdamW.
+# `Adam(weight_decay=…)` where decoupled [weight decay](GLOSSARY.md#weight-decay) (AdamW) was meant. `bug=False` uses AdamW.
 
 # %% tags=["parameters"]
 seed: int = 0  # seed of every random stream, at least 0
@@ -301,7 +301,7 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# **Verdict.** The AdamW half of the claim holds exactly. The Adam half does not: Adam adds the decay
+# **[Verdict](GLOSSARY.md#verdict).** The AdamW half of the claim holds exactly. The Adam half does not: Adam adds the decay
 # to the gradient (L2), not to the parameter, and the formula the claim gives for it is AdamW's.
 # Adam's effective decay does drift down during training, but it sits hundreds of times above the
 # nominal value and spreads over orders of magnitude between weights; AdamW's has no spread at all.
@@ -424,7 +424,7 @@ print(claims.case("E3").claim)
 # **Reproduce.** A model with an embedding, like the article's: each pixel's intensity (0-16) is a
 # token with a learned 8-dimensional embedding, the 64 embeddings are concatenated and go through a
 # hidden layer and a classifier. AdamW at lr 1e-4, 100 steps, with and without a 20-step linear
-# warmup (`LinearLR`). `GradTracer(update_ratio=True)` records each parameter's update:data ratio
+# warmup (`LinearLR`). `GradTracer(update_ratio=True)` records each parameter's [update:data ratio](GLOSSARY.md#update-to-data-ratio)
 # `‖Δθ‖ / ‖θ‖` at every step; the optimizer state gives Adam's per-weight step in units of lr,
 # `|m̂ / (√v̂ + ε)|`, whose root mean square per layer is the "effective step size" divided by lr.
 

@@ -328,14 +328,14 @@ claims.check(
 # %% [markdown]
 # ## A clipping bug that hides: clipping before `unscale_`
 # With a `GradScaler` (the subject of `10_mixed_precision`), `backward` leaves every gradient
-# multiplied by the loss scale (65536 at first) until `scaler.unscale_(optimizer)` divides it back.
+# multiplied by the [loss scale](GLOSSARY.md#loss-scale) (65536 at first) until `scaler.unscale_(optimizer)` divides it back.
 # Clip before that, and `clip_grad_norm_` measures a norm 65536 times too large and shrinks every
 # step to `max_norm / 65536` of its size. Nothing fails; training just stops moving.
 # `GradTracer(update_ratio=True)` records each step's `||Δp|| / ||p||` per parameter.
 
 # %% [markdown]
 # **Predict before you run.** With `bug=True` the gradients are clipped before `scaler.unscale_`, so
-# the clipped norm is measured on gradients 65536 times too large. What median update to data ratio
+# the clipped norm is measured on gradients 65536 times too large. What median [update to data ratio](GLOSSARY.md#update-to-data-ratio)
 # will the first layer get? (Around 1e-3 is the usual healthy value.)
 # Write your guess into `guess` below, then run the next cells; the line after the measurement
 # compares it with what was measured. (Left at `None`, it just prints the measurement.)

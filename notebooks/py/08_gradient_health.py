@@ -4,7 +4,7 @@
 # A loss curve tells you *that* training went wrong; per-layer gradient statistics can tell you
 # *where*. This notebook teaches `labkit.GradTracer` on networks that go wrong (vanishing, saturated,
 # dead, missing, exploding), then measures five claims about gradient monitoring: how early gradients
-# warn, what a hook sees, why a bias gradient can be zero, what a broken skip connection looks like,
+# warn, what a [hook](GLOSSARY.md#hook) sees, why a bias gradient can be zero, what a broken skip connection looks like,
 # and how small LayerNorm gradients really are.
 #
 # **You will learn**
@@ -174,7 +174,7 @@ figure = plot_grad_flow(patient)
 plt.show()
 
 # %% [markdown]
-# **Activations: saturation and dead units.** `activation_history()` gives, per module and step, the
+# **Activations: saturation and [dead units](GLOSSARY.md#dead-unit).** `activation_history()` gives, per module and step, the
 # share of tanh/sigmoid outputs whose derivative is under 2 % of its peak (`saturated`) and the share
 # of ReLU units that were zero for every sample of the step (`dead`).
 
@@ -241,7 +241,7 @@ for (model_name, layer), share in stuck_at_init.items():
     print(f"{model_name:<8} {layer:<9} stuck (saturated, or ReLU at 0): {share:.0%}")
 
 # %% [markdown]
-# **Update:data ratio.** A common rule of thumb says a training step should move a weight matrix by
+# **[Update:data ratio](GLOSSARY.md#update-to-data-ratio).** A common rule of thumb says a training step should move a weight matrix by
 # about 1e-3 of its size. Here the layers below the sigmoid stack barely move at all:
 
 # %%
@@ -449,7 +449,7 @@ class ArticleMonitor:
 # not raise it as well: an alarm that a healthy run also raises tells you nothing about the fault.
 # Whether a std crosses 3x its baseline can hinge on the last digits (the first alert below clears
 # its threshold by 0.1 %), and a GPU rounds differently, so nbval ignores the outputs of this run;
-# the papermill tests check its verdict.
+# the papermill tests check its [verdict](GLOSSARY.md#verdict).
 
 # %% [markdown]
 # **Predict before you run.** With `bug=True` the learning-rate warm-up is not capped. Will the run
@@ -531,7 +531,7 @@ from labkit.predict import compare_guess
 print(compare_guess(guess, diverged, what='the run diverges'))
 
 # %% [markdown]
-# **Measure: the signal that fires first.** The full gradient std of the parameter behind the
+# **Measure: the monitor's first alert.** The full gradient std of the parameter behind the
 # monitor's first alert, every step, for the faulty run and its twin, with the monitor's threshold
 # (3x the mean of the last 5 logged stds). Red: the loss alarm; black: the first alert.
 
@@ -560,24 +560,94 @@ if first_alert is not None:
           f"that step {twin_std:.3g}, alert raised by the twin too: {(step, name) in twin_alerts}")
 else:
     print("the monitor raised no alert in this run")
-figure = plot_grad_stat(run_tracer, "update_ratio", params=["0.weight", "4.weight"])
-figure.axes[0].set_title("update:data ratio per step")
+
+# %% [markdown]
+# **Measure: which signal fires first, and by how many steps.** The loss alarm is one signal; the
+# tracer's `exploding` alert and the monitor's alerts are others. Two more come from the first
+# layer's update:data ratio, averaged over 10 steps like the loss: the step at which it passes
+# `1e-2`, ten times the 1e-3 rule of thumb of the instrument section, and the step at which it climbs
+# past 1.5x the highest average the capped twin ever reaches (the twin's *plateau*: where the cap
+# holds a healthy run of the same schedule). The cell lists the signals in the order they fire, each
+# with its lead on the loss alarm, and draws both runs' ratios with the thresholds and the steps.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+TOO_FAST = 10 * GUIDE_RATIO  # ten times the rule of thumb
+ABOVE_PLATEAU = 1.5  # times the highest 10-step average the capped twin reaches
+
+
+def smoothed(values, window=10):
+    """The mean of the last `window` values at each step (fewer at the start), like the loss alarm's."""
+    return [statistics.fmean(values[max(0, s - window + 1): s + 1]) for s in range(len(values))]
+
+
+def first_step_over(values, level):
+    """The first step whose value is above `level` or not a number (None if none is)."""
+    return next((step for step, value in enumerate(values) if not value <= level), None)
+
+
+ratio = {label: smoothed([r["update_ratio"] for r in tracer.history() if r["param"] == "0.weight"])
+         for label, tracer in ((f"bug={bug}", run_tracer), ("capped twin", twin_tracer))}
+run_ratio, twin_ratio = ratio[f"bug={bug}"], ratio["capped twin"]
+plateau = max(twin_ratio)
+ratio_step = first_step_over(run_ratio, TOO_FAST)
+twin_ratio_step = first_step_over(twin_ratio, TOO_FAST)
+plateau_step = first_step_over(run_ratio, ABOVE_PLATEAU * plateau)
+signals = {f"update:data over {TOO_FAST:.0e}": ratio_step,
+           f"update:data past {ABOVE_PLATEAU}x the twin's plateau ({plateau:.1e})": plateau_step,
+           "monitor's first warning the twin did not share": first_warning[0] if first_warning else None,
+           "loss alarm": loss_step, "tracer's 'exploding' alert": tracer_step}
+
+
+def lead_on_loss(step):
+    """Steps from `step` to the loss alarm (positive: before it); "none" without both."""
+    return "none" if step is None or loss_step is None else loss_step - step
+
+
+for name, step in sorted(signals.items(), key=lambda item: math.inf if item[1] is None else item[1]):
+    lead = lead_on_loss(step)
+    when = "" if lead == "none" or name == "loss alarm" else f", {abs(lead)} steps {'before' if lead > 0 else 'after'} the loss alarm"
+    print(f"step {step if step is not None else 'never':>5}: {name}{when}")
+print(f"the capped twin's ratio passes {TOO_FAST:.0e} at step {twin_ratio_step} too, and it trains on without a loss alarm")
+claims.metric("ratio_signal_lead", lead_on_loss(ratio_step))
+claims.metric("plateau_signal_lead", lead_on_loss(plateau_step))
+claims.metric("twin_ratio_signal_step", "none" if twin_ratio_step is None else twin_ratio_step)
+
+figure, axis = plt.subplots(figsize=(8, 3.5))
+for (label, values), style, colour in zip(ratio.items(), ("-", ":"), ("tab:blue", "tab:green")):
+    axis.plot(values, style, color=colour, label=f"{label}: first layer, 10-step mean")
+axis.axhline(GUIDE_RATIO, color="gray", linestyle="--", linewidth=1, label="1e-3 rule of thumb")
+axis.axhline(TOO_FAST, color="tab:orange", linestyle="--", linewidth=1, label=f"{TOO_FAST:.0e}")
+axis.axhline(ABOVE_PLATEAU * plateau, color="tab:purple", linestyle="--", linewidth=1,
+             label=f"{ABOVE_PLATEAU}x the twin's plateau")
+for step, colour, label in ((ratio_step, "tab:orange", "passes 1e-2"), (plateau_step, "tab:purple", "past the plateau"),
+                            (loss_step, "red", "loss alarm"), (tracer_step, "black", "'exploding' alert")):
+    if step is not None:
+        axis.axvline(step, color=colour, linestyle=":", linewidth=1.5, label=f"step {step}: {label}")
+axis.set(yscale="log", xlabel="step", ylabel="update:data ratio",
+         title="the first layer's update:data ratio, and when each signal fires")
+axis.legend(fontsize=7, ncols=2)
+figures.describe(figure, f"First-layer update:data ratio per step on a log scale for the run with bug={bug} and its "
+                         f"capped twin, with guide lines at 1e-3, {TOO_FAST:.0e} and {ABOVE_PLATEAU}x the twin's "
+                         f"plateau, and vertical lines where each signal fires: the ratio passes {TOO_FAST:.0e} at "
+                         f"step {ratio_step}, the plateau at step {plateau_step}, the loss alarm at step {loss_step}.")
 plt.show()
-ratios = [r["update_ratio"] for r in run_tracer.history() if r["param"] == "0.weight"]
-at_alarm = ratios[loss_step] if loss_step is not None else ratios[-1]
-print(f"first layer update:data ratio: step 0 {ratios[0]:.1e}, at the loss alarm {at_alarm:.1e}")
 
 
 # %% [markdown]
-# **Why the tracer's `exploding` alert comes after the loss alarm here.** `exploding` compares
-# each gradient norm with 10x the median of the same parameter's last 20 norms: it is built for a
-# *jump* (a bad batch, a NaN on the way). A warm-up without a cap makes the norms *climb* by under
-# 1 % a step, so the baseline climbs with them and a 10x gap opens only once training is already
-# breaking down; that is why the alert printed above comes after the loss alarm. What grows from
-# the first step is the update:data ratio in the plot above, because the learning rate itself
-# grows: in a warm-up, watch the schedule and the ratio it produces, not only the size of the
-# gradient. A fixed ratio threshold is no early alarm by itself, though: the capped twin's ratio
-# rises just as far until its cap, so a threshold must sit above where the cap holds the twin.
+# **What fires first, and by how much.** In the stored run the ratio passes 1e-2 first, at step
+# 327, 134 steps before the loss alarm at step 461: the learning rate itself grows, and the ratio
+# shows it from the first step. But the capped twin passes 1e-2 at the same step (both runs are
+# the same run until the cap, near step 388) and then trains on without a loss alarm, so 1e-2 says
+# "the steps are large", not "this run will diverge". The first signal the healthy run does not
+# share is the ratio climbing past 1.5x the twin's plateau, at step 438: 23 steps of warning. The
+# monitor's first warning comes at the same step. The tracer's `exploding` alert comes last, 62
+# steps *after* the loss alarm, and by design: it compares each gradient norm with 10x the median
+# of the same parameter's last 20 norms, so it is built for a *jump* (a bad batch, a NaN on the
+# way). A warm-up without a cap makes the norms *climb* by under 1 % a step, the baseline climbs
+# with them, and a 10x gap opens only once training is already breaking down. In a warm-up, watch
+# the schedule and the update:data ratio it produces against where a capped run levels off, not
+# only the size of the gradient.
 
 # %% [markdown]
 # **What the monitor misses.** Three gradient failures that a loss curve hides at first, fed to the
@@ -1053,7 +1123,10 @@ claims.check(
 # - L1: the article's monitor, run as its code is written, is judged on its first alert that a
 #   capped healthy twin did not raise too, against the loss alarm (the verdict cell prints the lead
 #   and the measured cost). Its rule is blind to NaN and to missing gradients; its sampled log can
-#   miss a sparse spike that the full-std alert catches.
+#   miss a sparse spike that the full-std alert catches. In an uncapped warm-up the first layer's
+#   update:data ratio fires first (past 1e-2, long before the loss, but a capped run gets there too;
+#   past the capped run's plateau, a few dozen steps before the loss); the tracer's `exploding`
+#   alert, built for jumps, fires after the loss.
 # - A bias gradient does not see the Dropout mask in front of its layer (L3); std 0 means a
 #   normalisation right after it or dead units.
 # - A skip concatenated without channel alignment crashes the decoder built for aligned channels, and
@@ -1164,7 +1237,7 @@ grading.score()
 # %% [markdown]
 # ## What comes next
 # [09 · Residual design: pre- versus post-activation, measured](09_residual_design.ipynb): a skip
-# connection is the usual cure for a vanishing gradient; 09 measures how clean its identity path is.
+# connection is the usual cure for a [vanishing gradient](GLOSSARY.md#vanishing-and-exploding-gradients); 09 measures how clean its [identity path](GLOSSARY.md#identity-path) is.
 
 # %% [markdown]
 # ## Further reading

@@ -3,8 +3,8 @@
 #
 # Where the ReLU sits in a residual block decides whether the skip connection is a clean identity
 # path for the gradient. You will measure, on deep residual MLPs trained on digits, how much of the
-# gradient the ReLU after the addition (post-activation, "ResNet v1") really cuts, what reaches the
-# first block, whether the pre-activation identity path ("ResNet v2") is exact, and what it buys.
+# gradient the ReLU after the addition ([post-activation](GLOSSARY.md#pre-activation-and-post-activation), "ResNet v1") really cuts, what reaches the
+# first block, whether the pre-activation [identity path](GLOSSARY.md#identity-path) ("ResNet v2") is exact, and what it buys.
 #
 # **You will learn**
 # - how much gradient a ReLU after the addition (post-activation, ResNet v1) cuts from the skip path
@@ -261,16 +261,21 @@ for design, norms in norm_by_block.items():
 # column): its input is `x + branch(x)`, and `x`, the previous block's ReLU output, is never
 # negative. The zeroed entries are refilled by the next block's branch, whose weight matrix mixes
 # every entry into every other, so the gradient reaching the first block has no zero entries in
-# either design. Nor is it weaker, but the opposite failure is there: a block's backward pass adds
-# the branch's contribution to what the skip carries (`dL/dx = g + J_branch^T g` in a pre-activation
-# block), and here the sum grows toward the input: a first-block gradient about a hundred
-# (pre-activation) to three hundred (post-activation) times the top's at 32 blocks. The norm along
-# depth (the figure above) shows where: gently through the upper blocks, then steeply over the
-# first few, the largest step at the first block itself. That is not harmless: with one learning
-# rate the first blocks' activation gradients are two orders of magnitude above the last ones', a
-# mild gradient explosion near the input that BatchNorm, which bounds the forward values, does not
-# stop. It is one reason deep ResNets zero-initialise each branch's last layer (next cell): then
-# every block starts as its skip alone, and the ratio is exactly 1. The survival rate of the
+# either design. Nor is it weaker: it is *stronger*. A block's backward pass adds the branch's
+# contribution to what the skip carries (`dL/dx = g + J_branch^T g` in a pre-activation block), so
+# the norm grows toward the input. In the stored run, at 32 blocks, it grows by about 1.20x per block
+# post-activation and 1.15x pre-activation, so the first block's gradient is about 300x
+# (post-activation) and 100x (pre-activation) the top's. The norm along depth (the figure above)
+# shows where: gently through the upper blocks, then steeply over the first few, the largest step at
+# the first block itself. That is gradient growth at initialisation, the exploding side of
+# [vanishing and exploding gradients](GLOSSARY.md#vanishing-and-exploding-gradients), and nothing here
+# shows it to be harmless: BatchNorm bounds the forward values, not this growth; it compounds with the
+# per-block factor, so a deeper stack grows further; and with one learning rate the blocks near the
+# input see activation gradients two orders of magnitude above the last ones'. What this notebook
+# does not measure is how much the growth costs in training: the short training below favours
+# pre-activation, which also grows less, but it compares whole designs and does not single out the
+# growth. Removing it is what zero-initialising each branch's last layer (next cell) and Fixup are for:
+# then every block starts as its skip alone, and the ratio is exactly 1. The survival rate of the
 # article cannot see any of this; the norm along depth does.
 #
 # **The identity path, isolated.** Set every branch's last layer to zero (the common "zero-init"
@@ -303,7 +308,7 @@ for design in DESIGNS:
 
 # %% [markdown]
 # **Does it matter for training?** Each design trained for `train_steps` steps at `train_depths`
-# depths; test accuracy in evaluation mode (BatchNorm running statistics).
+# depths; test accuracy in [evaluation mode](GLOSSARY.md#train-and-eval-mode) (BatchNorm [running statistics](GLOSSARY.md#running-statistics)).
 
 # %%
 def train_and_test(design, depth, run_seed):
@@ -403,6 +408,9 @@ print(f"fixed block: exact identity path: {fixed_report.all_exact}; non-zero sha
 # - That ReLU zeroed well under half of the entries per block here, because the skip carries
 #   non-negative values; the next branch's weights refill the zeroed entries, so the share of
 #   non-zero entries of dL/dx reaching the first block was 100% in both designs.
+# - Nor is the gradient weaker there: at initialisation it grows toward the input in both designs
+#   (the first block about 300x the top's post-activation, 100x pre-activation, at 32 blocks), a
+#   growth zero-initialised branches remove; how much it costs in training is not measured here.
 # - Measure survival with the norm ratio and an exact comparison on zero-init branches; "dL/dx != 0"
 #   cannot tell the designs apart.
 # - On digits the pre-activation design reached a higher test accuracy after a short training at

@@ -3,12 +3,12 @@
 #
 # Half-precision training stores numbers in 16 bits: fp16 keeps 11 significant bits but a narrow
 # exponent range, bf16 keeps fp32's range but only 8 significant bits. This notebook measures what
-# each format does to real gradients, how `torch.amp.GradScaler` moves its loss scale, what autocast
+# each format does to real gradients, how `torch.amp.GradScaler` moves its [loss scale](GLOSSARY.md#loss-scale), what [autocast](GLOSSARY.md#autocast)
 # does to the loss, and what happens when the scale collapses, against five claims about them.
 #
 # **You will learn**
-# - what fp16 and bf16 keep of a number: range, precision and subnormals
-# - how many real gradient values underflow in fp16, and how `GradScaler`'s loss scale saves them
+# - what fp16 and bf16 keep of a number: range, precision and [subnormals](GLOSSARY.md#subnormal)
+# - how many real gradient values [underflow](GLOSSARY.md#underflow) in fp16, and how `GradScaler`'s loss scale saves them
 # - what autocast does to the loss, and where `backward` must run
 # - what happens when the loss scale collapses
 #
@@ -688,7 +688,7 @@ else:
     print("no CUDA device here: the CUDA autocast table runs on the GPU runner")
 
 # %% [markdown]
-# **Verdict, in two halves.** The rule ("backward must run outside autocast") holds if the
+# **[Verdict](GLOSSARY.md#verdict), in two halves.** The rule ("backward must run outside autocast") holds if the
 # gradients differ between the two placements. The reason ("because autocast turns the loss to
 # fp16") holds for the losses whose dtype came out fp16; where it holds, it matters only if moving
 # backward out of the block changes what happens to that fp16 loss (its first scaled step). The

@@ -5,7 +5,7 @@
 # default `inductor` backend fuses operations into generated kernels (C++ on a CPU, Triton on a GPU).
 # Fused kernels add and multiply in a different order than eager PyTorch, so results can differ in
 # the last bits. This notebook measures how much: relu's gradient at exactly 0, compiled against
-# eager gradients against a float64 reference, drift over hundreds of training steps, how to keep a
+# eager gradients against a [float64 reference](GLOSSARY.md#float64-reference), drift over hundreds of training steps, how to keep a
 # module out of compilation, and whether splitting large operations pays.
 #
 # **You will learn**
@@ -128,7 +128,7 @@ def captured_ops(model, x):
 print(claims.case("H4").claim)
 
 # %% [markdown]
-# relu is not differentiable at 0: any slope between 0 and 1 is a valid *subgradient* there, and
+# relu is not differentiable at 0: any slope between 0 and 1 is a valid *[subgradient](GLOSSARY.md#subgradient)* there, and
 # each implementation picks one. **Reproduce.** Nine ways to write relu, each row of one function
 # multiplied by a weight `w` (the relu-then-mul pattern that case H1 is about). The function runs in
 # float64, eagerly and compiled (default mode: case H2 runs `gradcheck` on it, which calls it again

@@ -2,16 +2,16 @@
 # # 12 · Batch size: gradient noise, throughput and the global batch
 #
 # The batch size sets three things at once: how noisy each gradient is, how busy the device is,
-# and, with several devices and gradient accumulation, how many samples make one update. This
+# and, with several devices and [gradient accumulation](GLOSSARY.md#gradient-accumulation), how many samples make one update. This
 # notebook measures each of them against four claims: batch sizes that must be multiples of 32, a
 # utilisation and loss-noise table for ResNet-50, the global-batch formula, and a scheduler that
 # doubles or halves the batch according to GPU utilisation.
 #
 # **You will learn**
-# - how gradient noise falls with the batch size, measured with per-sample gradients
+# - how [gradient noise](GLOSSARY.md#gradient-noise) falls with the batch size, measured with per-sample gradients
 #   (`torch.func.vmap`)
 # - what a batch size that is not a multiple of 32 costs
-# - the global batch formula with several devices and accumulation
+# - the [global batch](GLOSSARY.md#global-batch) formula with several devices and accumulation
 # - what a scheduler that changes the batch size does to a summed loss
 #
 # **Prerequisites:**
@@ -165,7 +165,7 @@ else:
     print("no CUDA device here: throughput by batch size around multiples of 32 is measured on the GPU runner")
 
 # %% [markdown]
-# **Verdict.** On a GPU a collapse would show as a size whose throughput falls below half its
+# **[Verdict](GLOSSARY.md#verdict).** On a GPU a collapse would show as a size whose throughput falls below half its
 # neighbour's; on a CPU the case needs the GPU runner.
 
 # %%
@@ -426,10 +426,10 @@ print(claims.case("J3").claim)
 
 # %% [markdown]
 # **Reproduce.** Data parallelism without several devices: `devices` copies of the model each take
-# their own shard, accumulate `accumulation_steps` micro-batches of `per_device_batch` rows with
+# their own shard, accumulate `accumulation_steps` [micro-batches](GLOSSARY.md#micro-batch) of `per_device_batch` rows with
 # `loss / accumulation_steps`, and then their gradients are averaged, which is what
-# `DistributedDataParallel`'s all-reduce does (it sums the gradients of all ranks and divides by
-# their number). A forward hook counts the rows each copy sees. The reference is one model on one
+# `DistributedDataParallel`'s [all-reduce](GLOSSARY.md#all-reduce) does (it sums the gradients of all [ranks](GLOSSARY.md#rank-and-world-size) and divides by
+# their number). A forward [hook](GLOSSARY.md#hook) counts the rows each copy sees. The reference is one model on one
 # batch of the global size.
 
 # %%
@@ -560,7 +560,7 @@ largest_effective = max(len(piece) for s in scheduler_batches for piece in loade
 # scheduled size, and then the batch size changes mid-run with the learning rate fixed.
 #
 # **What that does to training.** We run the schedule `scheduler_batches`, `steps_per_batch` SGD
-# steps at each size, on digits, and trace the update:data ratio of every parameter with
+# steps at each size, on digits, and trace the [update:data ratio](GLOSSARY.md#update-to-data-ratio) of every parameter with
 # `GradTracer`. The bug switch decides how the loss is reduced: a sum over the batch with a learning
 # rate tuned for the first size (`lr / scheduler_batches[0]`), or a mean with `lr`. Both runs are
 # identical at the first size.
@@ -769,7 +769,7 @@ claims.table()
 #
 # ### Exercise 12.1: the gradient of a global batch
 # `global_batch_gradient(model, x, y, devices, accumulation_steps)` should leave in `.grad` what
-# `devices` data-parallel workers would apply, each accumulating `accumulation_steps` equal
+# `devices` data-parallel [workers](GLOSSARY.md#worker) would apply, each accumulating `accumulation_steps` equal
 # micro-batches of its shard of `x`: the gradient of `F.cross_entropy(model(x), y)` over all rows.
 # Simulate it in one process and one model, one micro-batch per forward. The version below divides
 # by the accumulation steps, as each real rank does, and forgets what the all-reduce adds (J3).

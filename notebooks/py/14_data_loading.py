@@ -8,7 +8,7 @@
 # duplicated random augmentations, and DataPipes that supposedly move batches to the GPU.
 #
 # **You will learn**
-# - what a DataLoader worker process is, and what it copies from your process
+# - what a DataLoader [worker](GLOSSARY.md#worker) process is, and what it copies from your process
 # - why random augmentations repeat across workers, and the fix that works
 # - what `num_workers` and `prefetch_factor` change
 # - what DataPipes and `pin_memory` really do
@@ -250,7 +250,7 @@ print(thread_report)
 print("1 thread and several agree to rounding level (rtol 1e-5):", thread_report.all_close)
 
 # %% [markdown]
-# **Verdict.**
+# **[Verdict](GLOSSARY.md#verdict).**
 
 # %%
 bitwise_equal = compare_grads(altered, in_process).all_exact
@@ -270,7 +270,7 @@ claims.check(
 # **The fix, proven.** There is nothing for the article's `worker_init_fn` to fix: it gave the
 # same gradients as the other two runs, to the bit (above). torch already runs each worker on one
 # thread. OpenCV (`cv2`) is not installed here, so its thread setting is not measured; like torch's,
-# it would be set inside the worker process and stay there. If one rank's gradients really are all zero, look at
+# it would be set inside the worker process and stay there. If one [rank](GLOSSARY.md#rank-and-world-size)'s gradients really are all zero, look at
 # what reaches the model: trace the gradients (as above) and the batches (are they blank?). Under
 # `DistributedDataParallel`, every rank holds the same averaged gradient after `backward`, which
 # `15_distributed` measures, so "one GPU's gradients" differing from the others' is itself a clue
