@@ -7,9 +7,6 @@ glossary, bare URLs and HTML, and without the opening's **Words** paragraph, whi
 notebook's index of glossary words rather than prose. A word inside an inline code span counts
 (`torch.no_grad()` uses *no_grad*): its link then wraps the whole span. The first of all uses and
 glossary links of a word, in cell order, must be a link to that word's entry.
-
-Exempt: 13_memory, which is being split into two notebooks on another branch; its links are added
-with the split (remove it from `EXEMPT` then).
 """
 
 import re
@@ -23,7 +20,6 @@ from labkit import notebooks
 ROOT = Path(__file__).resolve().parents[1]
 GLOSSARY = ROOT / "notebooks" / "GLOSSARY.md"
 NOTEBOOKS = notebooks.workbook_notebooks(ROOT / "notebooks")
-EXEMPT = {"13_memory": "being split into memory accounting and GPU speed on another branch"}
 
 # The forms in which the notebooks write each glossary word (regular expressions, matched as
 # whole words, case-insensitively, with an optional plural ending). A heading that joins two
@@ -175,8 +171,6 @@ def test_every_link_to_the_glossary_finds_its_entry(nb_path):
 
 
 def test_each_glossary_word_is_linked_where_the_notebook_first_uses_it(nb_path):
-    if nb_path.stem in EXEMPT:
-        pytest.skip(EXEMPT[nb_path.stem])
     missing = first_unlinked_uses(nbformat.read(nb_path, as_version=4))
     assert not missing, "link the first use of these words to GLOSSARY.md#<entry>: " + "; ".join(
         f"{h!r} in cell {i} ({text!r})" for h, (i, text) in missing.items())

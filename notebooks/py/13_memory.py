@@ -3,7 +3,7 @@
 #
 # A training step holds the weights, their gradients, the optimizer's state and the activations
 # that backward needs, plus short-lived temporaries. `labkit.memory` counts each of them: exactly
-# (what autograd saves), by formula (per layer), without allocating anything (fake tensors) and
+# (what autograd saves), by formula (per layer), without allocating anything ([fake tensors](GLOSSARY.md#fake-tensor)) and
 # from the allocator. With it we check three claims about memory accounting: what dominates,
 # ViT-Base's arithmetic and ResNet-50 at batch 96 on an 80 GB A100. Then a leak that grows every
 # step. What memory buys in speed (checkpointing, fused attention, CUDA graphs, bandwidth) is
@@ -61,7 +61,7 @@ from labkit import autograd_graph, claims, datasets, figures, grading, memory, r
 # %% [markdown]
 # ## Parameters
 # `bug=True` runs the leak at the end with the validation loss added up as a tensor, which keeps
-# every step's graph alive; `bug=False` adds `loss.item()` under `torch.no_grad()` instead.
+# every step's graph alive; `bug=False` adds `loss.item()` under [`torch.no_grad()`](GLOSSARY.md#no_grad-and-inference_mode) instead.
 
 # %% tags=["parameters"]
 seed: int = 0  # seed of every random stream, at least 0
@@ -330,7 +330,7 @@ claims.check(
 # **The fix.** Budget memory with all parts at your batch size, not with a rule of thumb:
 # `memory.analytic_memory` for the parts, `memory.estimate_step_peak` for the peak, both without
 # allocating. At small batches the optimizer is what to shrink (SGD with momentum keeps one slot,
-# AdamW two); at large ones the activations (activation checkpointing, K4 in
+# AdamW two); at large ones the activations ([activation checkpointing](GLOSSARY.md#activation-checkpointing), K4 in
 # [16](16_speed_and_memory.ipynb); mixed precision).
 
 # %% [markdown]
@@ -533,7 +533,7 @@ resnet_images = torch.empty(resnet_batch, 3, 224, 224, device="meta")
 print(f"ResNet-50 built in code: {sum(p.numel() for p in resnet.parameters()):,} parameters")
 
 # %% [markdown]
-# **Measure.** The calculator at batch `resnet_batch`, AdamW, in float32 and with fp16 autocast:
+# **Measure.** The calculator at batch `resnet_batch`, AdamW, in float32 and with fp16 [autocast](GLOSSARY.md#autocast):
 
 # %%
 A100_BYTES = 80e9
@@ -585,11 +585,11 @@ claims.check(
 # %% [markdown]
 # ## A leak that grows every step
 # Not a claim but the commonest memory failure: a training loop that also tracks the validation
-# loss, adding the loss *tensor* into a running total. The total's autograd graph then reaches back
+# loss, adding the loss *tensor* into a running total. The total's [autograd graph](GLOSSARY.md#autograd-graph) then reaches back
 # through every validation pass, and each of them keeps its saved activations alive, because no
 # backward ever runs through them to free them. With `bug=True` the loop below does that; with
 # `bug=False` it adds `loss.item()` under `torch.no_grad()`. (We count the graph's nodes with a
-# five-line walk: `autograd_graph` reads each node's saved tensors, and here autograd refuses,
+# five-line walk: `autograd_graph` reads each node's [saved tensors](GLOSSARY.md#saved-tensor), and here autograd refuses,
 # because the optimizer has since updated in place the weights those nodes saved.)
 
 # %%
@@ -712,7 +712,7 @@ print(f"fixed loop keeps {fixed_growth:,} B per step: its total is a float, whic
 
 # %% [markdown]
 # ## Claims checked
-# Every verdict below comes from measurements on the CPU or the meta device, so the table reads the
+# Every [verdict](GLOSSARY.md#verdict) below comes from measurements on the CPU or the meta device, so the table reads the
 # same on every machine; the GPU cells in K2 and K8 only add a measured peak.
 
 # %%

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 16 · Speed and memory: what checkpointing, fused attention and CUDA graphs trade
 #
-# Memory and time are traded against each other: activation checkpointing buys memory with
+# Memory and time are traded against each other: [activation checkpointing](GLOSSARY.md#activation-checkpointing) buys memory with
 # compute, a fused attention kernel saves both, CUDA graphs buy speed with memory, and a backward
 # pass is bounded by the bytes it moves. Five claims about these trades, checked with the exact
 # counts of `labkit.memory` on a CPU and timed on a GPU where timing means something: torch.fx
@@ -200,9 +200,9 @@ variants = {"no checkpointing": stack, "checkpointed ReLU": checkpoint_relu_pass
 
 # %% [markdown]
 # **Measure.** What each variant leaves allocated after its forward, from the allocator, and the
-# exact count of saved tensors beside it: `memory.saved_tensors` leaves out what checkpoint will
+# exact count of [saved tensors](GLOSSARY.md#saved-tensor) beside it: `memory.saved_tensors` leaves out what checkpoint will
 # recompute (and says how many tensors that is). The two must agree up to what checkpoint keeps
-# outside autograd's saved tensors: a copy of the RNG state per call, so that dropout recomputes
+# outside autograd's saved tensors: a copy of the [RNG state](GLOSSARY.md#random-generator-state) per call, so that dropout recomputes
 # the same mask.
 
 # %%
@@ -291,7 +291,7 @@ print(f"within the spreads the ratio could lie anywhere from {low:.2f} to {high_
 # median). Read the second line before the ratio: it is the range the two spreads leave for the
 # ratio. When that range is wide (on a busy CPU it can run from below 1 to over 3), one run cannot
 # say whether checkpointing cost what the FLOP ratio says, the article's 12% or twice the time, and a
-# ratio printed without its range reads like a finding it is not. That is why the verdict below
+# ratio printed without its range reads like a finding it is not. That is why the [verdict](GLOSSARY.md#verdict) below
 # rests on memory and FLOPs, which are exact, and states no time cost (a time cost needs a quiet
 # machine and repeated runs).
 
@@ -623,7 +623,7 @@ else:
     )
 
 # %% [markdown]
-# **The fix.** For an OOM, reduce what is kept: a smaller batch with gradient accumulation
+# **The fix.** For an OOM, reduce what is kept: a smaller batch with [gradient accumulation](GLOSSARY.md#gradient-accumulation)
 # (`12_batch_size`, J3), activation checkpointing (K4 above), mixed precision (`10_mixed_precision`), an
 # optimizer with less state. `torch.compile`'s default mode can lower activation memory by
 # recomputing cheap operations in backward; reduce-overhead is for speed at small batches.
@@ -647,7 +647,7 @@ rows_about_decay = [row for row in summary_rows if re.search("decay|weight|optim
 print("rows about weight decay or the optimizer:", rows_about_decay or "none")
 
 # %% [markdown]
-# **Measure.** The memory of an AdamW step at three weight decays, estimated by labkit on the
+# **Measure.** The memory of an AdamW step at three [weight decays](GLOSSARY.md#weight-decay), estimated by labkit on the
 # digits MLP: weight decay scales the weights, it allocates nothing.
 
 # %%
@@ -706,7 +706,7 @@ claims.check(
 
 # %% [markdown]
 # **The fix, proven.** Weight decay shows in the weights: their norm after training, and the
-# update:data ratio per layer (`08_gradient_health`). Ten AdamW steps on 256 digits at the
+# [update:data ratio](GLOSSARY.md#update-to-data-ratio) per layer (`08_gradient_health`). Ten AdamW steps on 256 digits at the
 # same three weight decays, whose memory was identical:
 
 # %%
