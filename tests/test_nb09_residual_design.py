@@ -12,13 +12,15 @@ from notebook_runs import run_on_cpu
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "09_residual_design.ipynb"
 SMALL = {"seed": 1, "depths": [4, 8], "seeds": 1, "train_depths": [4], "train_steps": 10, "train_seeds": 1}
 PRE_ACTIVATION_DEFAULT = "def __init__(self, block_width, relu_after_add=False):"
+IDENTITY_DEFAULT = "def identity_only(design, depth, relu_after_add=False):"
 
 
 def notebook_whose_pre_activation_block_keeps_the_relu(folder: Path) -> Path:
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    blocks = [cell for cell in nb.cells if PRE_ACTIVATION_DEFAULT in cell.source]
-    assert len(blocks) == 1, f"the PreActBlock cell holding {PRE_ACTIVATION_DEFAULT!r} is gone from {NOTEBOOK.name}"
-    blocks[0].source = blocks[0].source.replace(PRE_ACTIVATION_DEFAULT, PRE_ACTIVATION_DEFAULT.replace("False", "True"))
+    for default in (PRE_ACTIVATION_DEFAULT, IDENTITY_DEFAULT):  # the designs measured, and M1's identity test
+        cells = [cell for cell in nb.cells if default in cell.source]
+        assert len(cells) == 1, f"the cell holding {default!r} is gone from {NOTEBOOK.name}"
+        cells[0].source = cells[0].source.replace(default, default.replace("False", "True"))
     folder.mkdir()
     nbformat.write(nb, folder / NOTEBOOK.name)
     return folder / NOTEBOOK.name
