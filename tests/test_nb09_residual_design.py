@@ -1,19 +1,48 @@
-"""09_residual_design under papermill: a ReLU left after the addition breaks the identity path only with the bug."""
+"""09_residual_design under papermill: a ReLU left after the addition breaks the identity path only
+with the bug; and M1's verdict follows the identity measurement: a copy of the notebook whose
+pre-activation block keeps that ReLU by default (so that neither design has an exact identity
+path) turns M1's "partly" into "does-not-hold"."""
 
 from pathlib import Path
 
+import nbformat
 import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "09_residual_design.ipynb"
 SMALL = {"seed": 1, "depths": [4, 8], "seeds": 1, "train_depths": [4], "train_steps": 10, "train_seeds": 1}
+PRE_ACTIVATION_DEFAULT = "def __init__(self, block_width, relu_after_add=False):"
+IDENTITY_DEFAULT = "def identity_only(design, depth, relu_after_add=False):"
 
 
-@pytest.mark.parametrize("bug", [True, False])
-def test_relu_after_addition_gates_the_skip_only_with_the_bug(tmp_path, bug):
-    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug})
+def notebook_whose_pre_activation_block_keeps_the_relu(folder: Path) -> Path:
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    for default in (PRE_ACTIVATION_DEFAULT, IDENTITY_DEFAULT):  # the designs measured, and M1's identity test
+        cells = [cell for cell in nb.cells if default in cell.source]
+        assert len(cells) == 1, f"the cell holding {default!r} is gone from {NOTEBOOK.name}"
+        cells[0].source = cells[0].source.replace(default, default.replace("False", "True"))
+    folder.mkdir()
+    nbformat.write(nb, folder / NOTEBOOK.name)
+    return folder / NOTEBOOK.name
+
+
+# Two runs drive two things, each compared with the other run: the bug switch (the converted
+# block's identity) and M1 (whether the pre-activation design the notebook measures has one).
+@pytest.mark.parametrize(("bug", "pre_activation_exact"), [(True, True), (False, False)])
+def test_relu_after_addition_gates_the_skip_only_with_the_bug(tmp_path, bug, pre_activation_exact):
+    notebook = (NOTEBOOK if pre_activation_exact
+                else notebook_whose_pre_activation_block_keeps_the_relu(tmp_path / "changed"))
+    result = run_on_cpu(notebook, tmp_path / "run", {**SMALL, "bug": bug})
     assert result.status == "ok", result.error
     assert [c["id"] for c in result.claims] == ["M1"]
+    m1 = result.claims[0]
+    if pre_activation_exact:
+        assert m1["verdict"] == "partly"
+        assert "the pre-activation skip passed the gradient exactly" in m1["evidence"]
+    else:
+        assert m1["verdict"] == "does-not-hold"
+        assert "the pre-activation skip passed the gradient not exactly" in m1["evidence"]
+    assert "not about the claimed 50%" in m1["evidence"]
     if bug:
         assert result.metrics["identity_exact"] is False
         assert result.metrics["identity_nonzero_share"] < 0.8

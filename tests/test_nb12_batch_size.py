@@ -1,6 +1,8 @@
 """12_batch_size under papermill with other parameters: a summed loss makes each doubling of the
-batch double the step (J4), and the mean loss keeps the step steady; the noise and global-batch
-verdicts do not depend on the bug switch."""
+batch double the step (J4), and the mean loss keeps the step steady; J2's verdict follows the loss
+noise measured: with enough draws the loss std falls at every larger batch (does-not-hold), and
+with two draws per size the estimate can rise 1.5x from batch 32 to 64 as the claim says (partly)
+or do neither (untestable). The seeds of the two-draw runs were chosen for the outcome each shows."""
 
 from pathlib import Path
 
@@ -10,14 +12,21 @@ from notebook_runs import run_on_cpu
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "12_batch_size.ipynb"
 SMALL = {"seed": 1, "noise_batches": [8, 16, 32, 64], "noise_draws": 60, "scheduler_batches": [16, 64, 256],
          "steps_per_batch": 6, "devices": 2, "accumulation_steps": 4}
+TWO_DRAWS = {"noise_batches": [16, 32, 64], "noise_draws": 2}
 
 
-@pytest.mark.parametrize("bug", [True, False])
-def test_summed_loss_scales_the_step_with_the_batch_only_with_the_bug(tmp_path, bug):
-    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug})
+@pytest.mark.parametrize(("bug", "noise", "j2"), [
+    (True, {}, "does-not-hold"),
+    (False, {**TWO_DRAWS, "seed": 0}, "partly"),
+    (False, {**TWO_DRAWS, "seed": 3}, "untestable"),
+])
+def test_summed_loss_scales_the_step_with_the_batch_only_with_the_bug(tmp_path, bug, noise, j2):
+    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, **noise, "bug": bug})
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
-    assert verdicts["J2"] == "does-not-hold" and verdicts["J3"] == "holds"
+    assert verdicts["J2"] == j2 and verdicts["J3"] == "holds"
+    ratio = result.metrics["loss_std_ratio_64_to_32"]
+    assert ratio >= 1.5 if j2 == "partly" else ratio < 1.5
     growth, final_loss = result.metrics["update_ratio_growth"], result.metrics["final_loss"]
     if bug:
         assert growth > 3

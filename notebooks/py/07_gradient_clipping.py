@@ -60,7 +60,8 @@ from labkit.progress import track
 # `steps` minibatch SGD steps at learning rate `lr` train the digits MLPs of case F2 and of the
 # clipping-order bug; `cnn_steps` train the CNNs of case F3, where every `spike_every`-th batch
 # arrives un-normalised (pixels multiplied by `spike_scale`). `seeds` is how many seeds each
-# comparison runs. `bug=True` clips the gradients *before* `GradScaler.unscale_`; `bug=False` after.
+# comparison runs. `divergence_lr` is the learning rate of case F4's regression, high enough by
+# default to make its loss overflow without clipping. `bug=True` clips the gradients *before* `GradScaler.unscale_`; `bug=False` after.
 
 # %% tags=["parameters"]
 seed: int = 0  # seed of every random stream, at least 0
@@ -72,6 +73,7 @@ seeds: int = 3  # seeds each comparison runs over, at least 1
 spike_every: int = 10  # every spike_every-th CNN batch arrives un-normalised, at least 1
 spike_scale: float = 16.0  # factor on the pixels of such a batch, above 0
 max_norm: float = 1.0  # norm-clipping threshold, above 0
+divergence_lr: float = 0.5  # learning rate of the diverging regression of case F4, above 0
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%
@@ -562,7 +564,8 @@ print(f"total norm returned: {nan_total.item()}")
 print("non-finite gradient values per parameter after clipping:", after_clip)
 poisoned_before = sum(count > 0 for count in before_clip.values())
 poisoned_after = sum(count > 0 for count in after_clip.values())
-print(f"parameters with a non-finite gradient: {poisoned_before} of 4 before clipping, {poisoned_after} of 4 after")
+print(f"parameters with a non-finite gradient: {poisoned_before} of {len(before_clip)} before clipping, "
+      f"{poisoned_after} of {len(after_clip)} after")
 
 # %%
 try:
@@ -608,18 +611,19 @@ print(f"{len(nan_alerts)} non-finite alerts in 10 steps")
 
 # %% [markdown]
 # **Where clipping does help.** A NaN can also be the *end* of a divergence: a learning rate too
-# high for a regression MLP makes every step larger than the last until the loss overflows. Clipping
-# bounds each step, and that run stays finite.
+# high for a regression MLP (`divergence_lr`) makes every step larger than the last until the loss
+# overflows. Does clipping at 1.0 bound each step enough to keep that run finite? Both runs below
+# use the same learning rate; the lines after them say.
 
 # %%
 def diverging_run(clip_at):
-    """Full-batch SGD at lr 0.5 on a regression MLP; returns the losses."""
+    """Full-batch SGD at `divergence_lr` on a regression MLP, clipped at `clip_at` (None: not at all); returns the losses."""
     x, y = (t.to(dev) for t in datasets.regression(256, 8, seed=seed, dtype=DTYPE))
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).to(dev, DTYPE)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=divergence_lr)
     losses = []
-    for _ in range(40):
+    for _ in range(DIVERGENCE_STEPS):
         optimizer.zero_grad()
         loss = F.mse_loss(model(x), y)
         loss.backward()
@@ -630,24 +634,42 @@ def diverging_run(clip_at):
     return losses
 
 
+DIVERGENCE_STEPS = 40
 unclipped_losses, clipped_losses = diverging_run(None), diverging_run(1.0)
 first_nonfinite = next((k for k, v in enumerate(unclipped_losses) if not math.isfinite(v)), None)
-print(f"no clipping: loss {unclipped_losses[0]:.3g} -> non-finite at step {first_nonfinite}")
-print(f"clip at 1.0: loss {clipped_losses[0]:.3g} -> {clipped_losses[-1]:.3g} after 40 steps, all finite: "
-      f"{all(math.isfinite(v) for v in clipped_losses)}")
+clipped_finite = all(math.isfinite(v) for v in clipped_losses)
+unclipped_end = (f"non-finite at step {first_nonfinite}" if first_nonfinite is not None
+                 else f"{unclipped_losses[-1]:.3g} after {DIVERGENCE_STEPS} steps, all finite")
+print(f"lr {divergence_lr:g}, no clipping: loss {unclipped_losses[0]:.3g} -> {unclipped_end}")
+print(f"lr {divergence_lr:g}, clip at 1.0: loss {clipped_losses[0]:.3g} -> {clipped_losses[-1]:.3g} after "
+      f"{DIVERGENCE_STEPS} steps, all finite: {clipped_finite}")
+claims.metric("divergence_first_nonfinite_step", -1 if first_nonfinite is None else first_nonfinite)
 
 # %%
 clip_spreads_nan = math.isnan(nan_total.item()) and poisoned_after > poisoned_before
-clip_prevents_divergence = first_nonfinite is not None and all(math.isfinite(v) for v in clipped_losses)
+clip_repairs_nan = poisoned_after == 0
+clip_prevents_divergence = first_nonfinite is not None and clipped_finite
+# The claim's two readings: clipping repairs a NaN gradient, and clipping prevents a NaN loss.
+halves_shown = clip_repairs_nan + clip_prevents_divergence
+divergence_text = (
+    f"it does prevent the NaN at the end of a divergence (lr {divergence_lr:g} regression: non-finite at step "
+    f"{first_nonfinite} unclipped, {clipped_losses[-1]:.3g} after {DIVERGENCE_STEPS} clipped steps)"
+    if clip_prevents_divergence else
+    f"and at lr {divergence_lr:g} the unclipped regression stayed finite ({unclipped_end}), so this run shows "
+    "no NaN for clipping to prevent" if first_nonfinite is None else
+    f"nor did it prevent the NaN at the end of a divergence (lr {divergence_lr:g} regression: non-finite at step "
+    f"{first_nonfinite} unclipped, and clipped too)"
+)
 claims.check(
     "F4",
-    verdict="partly" if clip_spreads_nan and clip_prevents_divergence else "does-not-hold",
+    verdict={2: "holds", 1: "partly", 0: "does-not-hold"}[halves_shown],
     evidence=(
-        f"clipping cannot repair a NaN already in the gradient: the total norm comes back NaN, the NaN spreads "
-        f"from {poisoned_before} to {poisoned_after} of 4 parameter gradients, the next loss is "
-        f"{nan_losses[1]} and the tracer raised {len(nan_alerts)} non-finite alerts in 10 steps; it does prevent "
-        f"the NaN at the end of a divergence (lr 0.5 regression: non-finite at step {first_nonfinite} unclipped, "
-        f"{clipped_losses[-1]:.3g} after 40 clipped steps)"
+        (f"clipping cannot repair a NaN already in the gradient: the total norm comes back {nan_total.item()}, the "
+         f"NaN {'spreads' if clip_spreads_nan else 'goes'} from {poisoned_before} to {poisoned_after} of "
+         f"{len(after_clip)} parameter gradients" if not clip_repairs_nan else
+         f"clipping left no non-finite gradient ({poisoned_before} of {len(before_clip)} before it)")
+        + f", the next loss is {nan_losses[1]} and the tracer raised {len(nan_alerts)} non-finite alerts in "
+        f"{len(nan_losses)} steps; " + divergence_text
     ),
 )
 

@@ -341,18 +341,24 @@ gaps = {d: statistics.mean(accuracy["pre-activation", d]) - statistics.mean(accu
         for d in train_depths}
 identity_exact = identity_reports["pre-activation"].all_exact and not identity_reports["post-activation"].all_exact
 half_cut = 0.4 <= mean_cut <= 0.6
+survival = {design: [at_init[design, d]["nonzero"] for d in depths] for design in DESIGNS}
 survival_equal = all(row["nonzero"] == 1.0 for row in at_init.values())
+survival_text = " and ".join((f"{min(rates):.0%}" if min(rates) == max(rates) else f"{min(rates):.1%}-{max(rates):.1%}")
+                             + f" ({design})" for design, rates in survival.items())
+pre_exact, post_exact = identity_reports["pre-activation"].all_exact, identity_reports["post-activation"].all_exact
 claims.check(
     "M1",
     verdict="holds" if half_cut and identity_exact and not survival_equal else ("partly" if identity_exact else "does-not-hold"),
     evidence=(
-        f"residual MLPs on digits, {seeds} seeds: the pre-activation skip passed the gradient exactly "
-        f"(zero-init branches, {deepest} blocks) and the post-activation one did not; but the ReLU after the "
-        f"addition zeroed {min(cut_shares):.0%}-{max(cut_shares):.0%} of entries per block, not about 50%, the "
-        f"article's survival rate (dL/dx != 0 at the first block) was 100% for both designs at depths "
+        f"residual MLPs on digits, {seeds} seeds: with zero-init branches ({deepest} blocks) the pre-activation "
+        f"skip passed the gradient {'exactly' if pre_exact else 'not exactly'} and the post-activation one "
+        f"{'exactly too' if post_exact else 'not exactly'}; the ReLU after the addition zeroed "
+        f"{min(cut_shares):.0%}-{max(cut_shares):.0%} of entries per block "
+        f"({'about' if half_cut else 'not about'} the claimed 50%), the "
+        f"article's survival rate (dL/dx != 0 at the first block) was {survival_text} at depths "
         f"{depths}, and the gradient norm at the first block was {at_init['post-activation', deepest]['norm_ratio']:.0f}x "
         f"(post) and {at_init['pre-activation', deepest]['norm_ratio']:.0f}x (pre) the top's at {deepest} blocks; "
-        f"after {train_steps} steps pre-activation led by "
+        f"after {train_steps} steps pre-activation minus post-activation test accuracy was "
         + ", ".join(f"{gaps[d]:+.3f} at depth {d}" for d in train_depths)
     ),
 )

@@ -90,7 +90,10 @@ dev = repro.setup(seed=seed, device=device)
 
 # %%
 # gradcheck calls backward with retain_graph=True, which a compiled backward refuses when it reuses
-# ("donates") its saved buffers; torch's error message names this switch.
+# ("donates") its saved buffers; torch's error message names this switch. Its module is imported
+# here because nothing above has loaded it yet (torch.compile loads it only when it first compiles).
+import torch._functorch.config
+
 torch._functorch.config.donated_buffer = False
 
 
