@@ -2,17 +2,17 @@
 # # 15 · Distributed data parallel, measured on two CPU processes
 #
 # `DistributedDataParallel` (DDP) runs one copy of the model per process and makes their gradients
-# agree. This notebook starts real `torch.distributed` processes on the CPU (the gloo backend, which
+# agree. This notebook starts real `torch.distributed` processes on the CPU (the [gloo](GLOSSARY.md#gloo) backend, which
 # runs on any machine) and measures what DDP does to gradients, buffers and BatchNorm, what
 # `no_sync`, `find_unused_parameters` and `broadcast_buffers` really change, and where a loss that
 # differs between one process and several really comes from.
 #
 # **You will learn**
-# - what DDP does to gradients (an all-reduce average), buffers and BatchNorm, on real gloo
+# - what DDP does to gradients (an [all-reduce](GLOSSARY.md#all-reduce) average), buffers and BatchNorm, on real gloo
 #   processes
 # - what `no_sync`, `find_unused_parameters` and `broadcast_buffers` really change
 # - where a loss that differs between one process and several comes from
-# - what happens when a rank dies
+# - what happens when a [rank](GLOSSARY.md#rank-and-world-size) dies
 #
 # **Prerequisites:**
 # [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb),
@@ -72,7 +72,7 @@ from labkit.probes import measure_time
 # %% [markdown]
 # ## Parameters
 # `bug=True` trains with plain `BatchNorm1d` under DDP, whose statistics are per process;
-# `bug=False` uses BatchNorm over the global batch, which is what `SyncBatchNorm` computes.
+# `bug=False` uses BatchNorm over the [global batch](GLOSSARY.md#global-batch), which is what `SyncBatchNorm` computes.
 # `same_rows=True` gives every rank the same rows, so that nothing tells the ranks apart: a
 # control under which DDP's average cannot differ from any one rank's gradient.
 
@@ -235,7 +235,7 @@ print(f"the ranks' own bias gradients differ by up to {rank_disagreement:.3f}; "
 # rank, so a slow rank costs time, never values.
 #
 # **Reproduce: buffers and BatchNorm.** With a `BatchNorm1d`, each rank normalises with the mean
-# and variance of its own slice. Its running statistics (buffers, not parameters) are updated
+# and variance of its own slice. Its [running statistics](GLOSSARY.md#running-statistics) (buffers, not parameters) are updated
 # locally too; DDP then copies rank 0's buffers to every rank at the start of each forward pass,
 # unless told not to. In the installed torch the switch is `forward_sync_buffers` (`broadcast_buffers`, the
 # old name, still works but is deprecated; older releases know only `broadcast_buffers`, which is
@@ -294,8 +294,8 @@ print(f"a rank's batch mean vs the global batch mean, largest difference: {stats
 # global batch's.
 
 # %% [markdown]
-# **Reproduce: `no_sync` and gradient accumulation.** A communication hook counts the all-reduces
-# DDP launches. Each rank runs two micro-batches; the first under `ddp.no_sync()`.
+# **Reproduce: `no_sync` and [gradient accumulation](GLOSSARY.md#gradient-accumulation).** A communication [hook](GLOSSARY.md#hook) counts the all-reduces
+# DDP launches. Each rank runs two [micro-batches](GLOSSARY.md#micro-batch); the first under `ddp.no_sync()`.
 
 # %%
 MICRO_BATCHES = 2
@@ -343,7 +343,7 @@ print(f"global batch = {per_rank_batch} per rank x {world_size} ranks x {MICRO_B
 # %% [markdown]
 # `no_sync` skips the all-reduce (the gradients stay local and keep accumulating in `.grad`); the
 # synchronised backward then averages the accumulated sums. The optimizer sees the same gradient,
-# with fewer collectives. **Verdict** on O3:
+# with fewer collectives. **[Verdict](GLOSSARY.md#verdict)** on O3:
 
 # %%
 # DDP's average is visible only if the ranks' own gradients differ, and per-process BatchNorm only if
@@ -501,7 +501,7 @@ print("rank 0's losses and test loss bit for bit unchanged by the article's flag
 # Neither flag touches what training computes. `broadcast_buffers=False` stops the copy of rank 0's
 # BatchNorm buffers to the others (measured in O3), which changes only the other ranks' running
 # statistics; rank 0 is the source, so its own model is the same. `find_unused_parameters=True`
-# makes DDP walk the autograd graph after every forward pass to find parameters that will get no
+# makes DDP walk the [autograd graph](GLOSSARY.md#autograd-graph) after every forward pass to find parameters that will get no
 # gradient. Here is what it is for: a model with a layer the forward pass does not use.
 
 # %%
