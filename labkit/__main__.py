@@ -9,6 +9,7 @@ import importlib
 import sys
 
 from labkit.errors import LabkitError
+from labkit.runner._papermill_child import skip_unused_slow_imports
 from labkit.runner.processes import termination_as_interrupt
 
 INTERRUPTED_EXIT = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"labkit: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module_name, function_name, _ = COMMANDS[name]
+    skip_unused_slow_imports()  # before a command imports nbformat: seconds of import no command uses
     command = getattr(importlib.import_module(module_name), function_name)
     try:
         with termination_as_interrupt():  # `kill PID` cleans up exactly as Ctrl-C does

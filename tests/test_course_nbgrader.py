@@ -31,7 +31,7 @@ NOTEBOOKS = [ROOT / "notebooks" / f"{stem}.ipynb" for stem in
 ASSIGNMENT = "ps1"
 AUTOGRADE_TIMEOUT_S = 1200
 # The one autograde executes five notebooks (about 70 s of CPU); a busy machine stretches that several times.
-pytestmark = pytest.mark.timeout(AUTOGRADE_TIMEOUT_S + 300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(AUTOGRADE_TIMEOUT_S + 300)]
 
 
 def nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:

@@ -24,7 +24,10 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 @pytest.fixture
 def shell():
-    """An IPython shell for display(); it replaces sys.modules['__main__'], which is put back after."""
+    """An IPython shell for display(); it replaces sys.modules['__main__'], which is put back after.
+    No figure is open at the start: the tests count the figures a view leaves open, and other test
+    files sharing this process (pytest-xdist) may have left theirs."""
+    plt.close("all")
     main, displayhook = sys.modules["__main__"], sys.displayhook
     config = Config()
     config.HistoryManager.enabled = False

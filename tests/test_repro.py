@@ -4,12 +4,15 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from labkit import LabkitError, repro, runner
 from labkit.devices import resolve_device
+
+REPO = Path(__file__).resolve().parents[1]
 
 PARAMS = 'seed = 0\ndevice = "auto"\nsteps = 3\nlr = 0.1\nbug = False'
 
@@ -129,6 +132,23 @@ def test_the_papermill_child_skips_the_iri_parser_and_still_validates_notebooks(
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["broken notebook refused", "skipped imports loaded: []"]
+
+
+_CLI_IMPORTS = """
+import sys
+from labkit.__main__ import main
+status = main(["normalise", sys.argv[1]])
+print(status, "rfc3987_syntax" in {n for n, m in sys.modules.items() if m}, "nbformat" in sys.modules)
+"""
+
+
+def test_the_command_line_skips_the_iri_parser_too(tmp_path):
+    notebook = tmp_path / "00_start_here.ipynb"
+    notebook.write_bytes((REPO / "notebooks" / "00_start_here.ipynb").read_bytes())
+    done = subprocess.run([sys.executable, "-c", _CLI_IMPORTS, str(notebook)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "False", "True"]  # normalised (unchanged), parser skipped, nbformat used
 
 
 def test_a_raising_cell_is_named_in_the_error(make_notebook, tmp_path):
