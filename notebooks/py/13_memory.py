@@ -28,7 +28,7 @@
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
 # [saved tensor](GLOSSARY.md#saved-tensor),
-# [peak memory](GLOSSARY.md#peak-memory), [fake tensor](GLOSSARY.md#fake-tensor).
+# [peak memory](GLOSSARY.md#peak-memory), [fake tensor](GLOSSARY.md#fake-tensor), [hook](GLOSSARY.md#hook).
 #
 # **GPU-only cells:** 2 cells (cases K2 and K8) run only on a CUDA GPU; on a CPU they print at most
 # one line saying so. They are collapsed: click the bar at a collapsed cell's left to open it.
@@ -768,7 +768,7 @@ grading.check("13.1", mean_validation_loss)
 # %% [markdown]
 # ### Exercise 13.2: count what autograd keeps, with its own hook
 # Every activation count above came from `memory.saved_bytes`. Write that count yourself, with the
-# hook it is built on: inside `with torch.autograd.graph.saved_tensors_hooks(pack, unpack):`,
+# [hook](GLOSSARY.md#hook) it is built on: inside `with torch.autograd.graph.saved_tensors_hooks(pack, unpack):`,
 # autograd calls `pack(tensor)` for each tensor an operation saves for backward, and stores what
 # `pack` returns (return the tensor itself, and let `unpack` give it back). `activation_bytes(module, *inputs)`
 # should return the bytes of activations one `module(*inputs)` keeps for backward, as
