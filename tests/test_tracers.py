@@ -743,7 +743,7 @@ def shapes_coefficients(step: int) -> dict[str, torch.Tensor]:
 
 def traced_shapes(monkeypatch, batched: bool) -> tuple[list[dict], bool]:
     if not batched:
-        monkeypatch.setattr(tracers.grad_tracer, "BATCHED_NUMEL", 0)
+        monkeypatch.setattr(tracers.grad_tracer, "_BATCHED_NUMEL", 0)
     model = Shapes()
     with GradTracer(model, full_every=1, histogram_bins=6, histogram_sample=64) as tracer:
         used = tracer._batched is not None
