@@ -785,3 +785,33 @@ def test_batched_full_statistics_equal_the_per_tensor_ones_and_the_exact_values(
             assert record["hist_counts"] == torch.histc(finite, 6, low, high).long().tolist()
         else:
             assert record["hist_sample"] == 64
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises, after the gradients created later have been hooked."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def test_a_backward_that_raises_midway_leaves_the_batched_statistics_of_the_last_finished_one():
+    model = Shapes()
+    with GradTracer(model, full_every=1, histogram_bins=6, histogram_sample=64) as tracer:
+        assert tracer._batched is not None
+        model(shapes_coefficients(0)).backward()
+        leaf = torch.ones(1, requires_grad=True)
+        exploding = Boom.apply(leaf)  # created first, so its backward runs after the parameters'
+        partial = model({name: 100 * c for name, c in shapes_coefficients(2).items()}) + exploding.sum()
+        with pytest.raises(RuntimeError, match="boom"):
+            partial.backward()
+        assert model.matrix.grad.abs().max() > 100  # the failed backward did reach the parameters
+        tracer.step()
+    for record in tracer.history():
+        grad = shapes_coefficients(0)[record["param"]]
+        assert record["accumulations"] == 1
+        assert record["max_abs"] == grad.abs().max().item(), record["param"]
