@@ -86,8 +86,8 @@ TYPED_NUMBERS_ALLOWED = {
     "E3": "0.1 1 1.5x 10 100 1e-2 1e-4",  # the article's lr and the warmup settings compared
     "E4": "0 0.005 0.01 0.02 0.9 1 1e-12 20",  # the article's layer decays and formula, the step compared
     "F1": "2",  # norm_type=2
-    "F2": "0.01 0.05 0.1 1.0 12%",  # the article's range, clip value and recall drop; the clip values tried
-    "F3": "2x",  # thresholds at 2x the clean median
+    "F2": "0.05 1.0 12%",  # the article's range, clip value and recall drop
+    "F3": "0.02",  # the verdict's threshold on the mean accuracy gain
     "G1": "0 2 24 25 6.1e-5 65536",  # the article's threshold and scale, fp16's exponents
     "G2": "0.5 0.6 1.5 2 200 2000 24 4 8",  # the article's settings and the alternatives tried
     "G4": "126 1e-3 2 20 4",  # the article's guard, the scales and steps of the reproduction
@@ -118,7 +118,7 @@ TYPED_NUMBERS_ALLOWED = {
     "N2": "1",  # d/dloc = 1
     "N4": "0 1e-9",  # no gradient into padding, the tolerance
     "N5": "0 10% 100 5",  # the timing settings (GPU branch)
-    "O1": "0 0.3",  # a rank 0.3 s late
+    "O1": "0.3",  # a rank 0.3 s late
     "O2": "0 1 256 600 80%",  # the GPUs compared, the copy size, the article's 600 GB/s
     "O2b": "1e-15",  # the tolerance
     "O3": "1e-12",  # the tolerance

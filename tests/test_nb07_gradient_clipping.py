@@ -2,7 +2,11 @@
 the bug; F1's verdict follows the default norm_type the installed function has (a copy of the
 notebook whose `clip_grad_norm_` defaults to the inf-norm, as the article says, makes it hold); F4's
 follows whether the regression at `divergence_lr` diverges without clipping (at 0.1 it does not, so
-clipping has no NaN to prevent and the claim does not hold)."""
+clipping has no NaN to prevent and the claim does not hold). F2's follows the direction norm clipping
+keeps: with `norm_per_tensor` each tensor is clipped by its own norm, which turns the gradient, so
+the claim's "norm clipping does not" fails (does-not-hold instead of partly). F3's evidence follows
+`clip_factor`: at 13x the clean median L1 clipping catches a spike that L2 clipping lets through, and
+still L1 is not ahead by 0.02, so F3 does not hold at either threshold (no setting tried made it hold)."""
 
 from pathlib import Path
 
@@ -32,12 +36,18 @@ def notebook_whose_clip_grad_norm_defaults_to_inf(folder: Path) -> Path:
     return folder / NOTEBOOK.name
 
 
-# Two runs drive three things at once, each compared with the other run: the bug switch (the
-# scaler's update ratio), F1 (the default norm_type) and F4 (whether the unclipped regression diverges).
-@pytest.mark.parametrize(("bug", "default_norm", "divergence_lr"), [(True, "2", 0.5), (False, "inf", 0.1)])
-def test_clipping_before_unscale_stalls_training_only_with_the_bug(tmp_path, bug, default_norm, divergence_lr):
+# Two runs drive four things at once, each compared with the other run: the bug switch (the
+# scaler's update ratio), F1 (the default norm_type), F2 (whole-gradient or per-tensor norm
+# clipping) and F4 (whether the unclipped regression diverges).
+# Per-tensor clipping goes with the L2 default: with the inf-norm no tensor's largest |g| reaches 1.0, nothing is clipped.
+@pytest.mark.parametrize(("bug", "default_norm", "divergence_lr", "norm_per_tensor"),
+                         [(True, "2", 0.5, True), (False, "inf", 0.1, False)])
+def test_clipping_before_unscale_stalls_training_only_with_the_bug(tmp_path, bug, default_norm, divergence_lr,
+                                                                   norm_per_tensor):
     notebook = NOTEBOOK if default_norm == "2" else notebook_whose_clip_grad_norm_defaults_to_inf(tmp_path / "changed")
-    result = run_on_cpu(notebook, tmp_path / "run", {**SMALL, "bug": bug, "divergence_lr": divergence_lr})
+    clip_factor = 2.0 if bug else 13.0
+    result = run_on_cpu(notebook, tmp_path / "run", {**SMALL, "bug": bug, "divergence_lr": divergence_lr,
+                                                     "norm_per_tensor": norm_per_tensor, "clip_factor": clip_factor})
     assert result.status == "ok", result.error
     assert {c["id"] for c in result.claims} == {"F1", "F2", "F3", "F4"}
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
@@ -46,6 +56,14 @@ def test_clipping_before_unscale_stalls_training_only_with_the_bug(tmp_path, bug
         assert verdicts["F1"] == "does-not-hold" and "norm_type=2.0" in evidence["F1"]
     else:
         assert verdicts["F1"] == "holds" and "norm_type=inf" in evidence["F1"]
+    # Value clipping turns the spike gradient in both runs; whether norm clipping does decides F2.
+    assert "value clipping rotated a spike gradient" in evidence["F2"]
+    if norm_per_tensor:
+        assert verdicts["F2"] == "does-not-hold" and "norm clipping of each tensor's norm turned it to" in evidence["F2"]
+    else:
+        assert verdicts["F2"] == "partly" and "norm clipping of the total norm kept cosine 1.0000" in evidence["F2"]
+    assert verdicts["F3"] == "does-not-hold" and f"thresholds at {clip_factor:g}x the clean median" in evidence["F3"]
+    assert "no measurable robustness benefit from L1 here" in evidence["F3"]
     # Clipping spreads the NaN gradient either way; the other half of F4 is the divergence.
     assert "spreads from" in evidence["F4"]
     if divergence_lr == 0.5:

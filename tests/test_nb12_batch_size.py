@@ -2,7 +2,10 @@
 batch double the step (J4), and the mean loss keeps the step steady; J2's verdict follows the loss
 noise measured: with enough draws the loss std falls at every larger batch (does-not-hold), and
 with two draws per size the estimate can rise 1.5x from batch 32 to 64 as the claim says (partly)
-or do neither (untestable). The seeds of the two-draw runs were chosen for the outcome each shows."""
+or do neither (untestable). The seeds of the two-draw runs were chosen for the outcome each shows.
+J3's verdict follows the rows an update sees: with a per-device batch whose product asks for more rows
+than the training split has (the last step of an epoch), the update gets fewer rows than the formula
+and its micro-batches are unequal, so the averaged gradient is not the one batch's (does-not-hold)."""
 
 from pathlib import Path
 
@@ -13,18 +16,26 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "12_batch_size.ip
 SMALL = {"seed": 1, "noise_batches": [8, 16, 32, 64], "noise_draws": 60, "scheduler_batches": [16, 64, 256],
          "steps_per_batch": 6, "devices": 2, "accumulation_steps": 4}
 TWO_DRAWS = {"noise_batches": [16, 32, 64], "noise_draws": 2}
+# 200 rows x 2 devices x 4 steps = 1600, more than the training split's rows.
+SHORT_OF_ROWS = {"per_device_batch": 200}
 
 
-@pytest.mark.parametrize(("bug", "noise", "j2"), [
-    (True, {}, "does-not-hold"),
-    (False, {**TWO_DRAWS, "seed": 0}, "partly"),
-    (False, {**TWO_DRAWS, "seed": 3}, "untestable"),
+# J3's two ways ride on the J2 runs: the global-batch case uses none of the noise parameters.
+@pytest.mark.parametrize(("bug", "noise", "j2", "rows", "j3"), [
+    (True, {}, "does-not-hold", {}, "holds"),
+    (False, {**TWO_DRAWS, "seed": 0}, "partly", {}, "holds"),
+    (False, {**TWO_DRAWS, "seed": 3}, "untestable", SHORT_OF_ROWS, "does-not-hold"),
 ])
-def test_summed_loss_scales_the_step_with_the_batch_only_with_the_bug(tmp_path, bug, noise, j2):
-    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, **noise, "bug": bug})
+def test_summed_loss_scales_the_step_with_the_batch_only_with_the_bug(tmp_path, bug, noise, j2, rows, j3):
+    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, **noise, **rows, "bug": bug})
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
-    assert verdicts["J2"] == j2 and verdicts["J3"] == "holds"
+    assert verdicts["J2"] == j2 and verdicts["J3"] == j3
+    j3_evidence = next(c["evidence"] for c in result.claims if c["id"] == "J3")
+    if j3 == "holds":
+        assert "averaged gradient equals one 64-row batch's" in j3_evidence
+    else:
+        assert "not the formula's 1600" in j3_evidence and "averaged gradient differs from" in j3_evidence
     ratio = result.metrics["loss_std_ratio_64_to_32"]
     assert ratio >= 1.5 if j2 == "partly" else ratio < 1.5
     growth, final_loss = result.metrics["update_ratio_growth"], result.metrics["final_loss"]

@@ -713,3 +713,105 @@ def test_graph_of_a_forward_whose_saved_tensors_were_updated_in_place_is_a_clear
             parameter.add_(1.0)  # what optimizer.step() does between a forward and a later look at its graph
     with pytest.raises(LabkitError, match="modified in place after the forward"):
         autograd_graph(loss, model.named_parameters())
+
+
+class Shapes(nn.Module):
+    """Parameters of several shapes (one empty, one larger than the histogram sample), each with the
+    gradient the test chooses: forward returns sum(param * coefficients) over the parameters."""
+
+    SHAPES = {"matrix": (3, 4), "vector": (5,), "cube": (2, 3, 3), "single": (1,), "empty": (0,), "long": (300,)}
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, shape in self.SHAPES.items():
+            self.register_parameter(name, nn.Parameter(torch.ones(shape)))
+
+    def forward(self, coefficients: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((getattr(self, name) * c).sum() for name, c in coefficients.items())
+
+
+def shapes_coefficients(step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    coefficients = {name: torch.randn(shape, generator=generator) for name, shape in Shapes.SHAPES.items()}
+    coefficients["matrix"][0] = 0.0  # zeros to count
+    coefficients["single"][0] = 0.0  # an all-zero gradient: an empty histogram range
+    if step == 1:
+        coefficients["vector"][1], coefficients["vector"][3] = math.inf, math.nan
+        coefficients["long"][7] = -math.inf
+    return coefficients
+
+
+def traced_shapes(monkeypatch, batched: bool) -> tuple[list[dict], bool]:
+    if not batched:
+        monkeypatch.setattr(tracers.grad_tracer, "_BATCHED_NUMEL", 0)
+    model = Shapes()
+    with GradTracer(model, full_every=1, histogram_bins=6, histogram_sample=64) as tracer:
+        used = tracer._batched is not None
+        for step in range(3):
+            model.zero_grad()
+            model(shapes_coefficients(step)).backward()
+            tracer.step()
+    monkeypatch.undo()
+    return tracer.history(), used
+
+
+def test_batched_full_statistics_equal_the_per_tensor_ones_and_the_exact_values(monkeypatch):
+    batched, used = traced_shapes(monkeypatch, batched=True)
+    per_tensor, used_per_tensor = traced_shapes(monkeypatch, batched=False)
+    assert (used, used_per_tensor) == (True, False)
+    assert "empty" not in {record["param"] for record in batched}  # nothing to trace in it
+    for fast, slow in zip(batched, per_tensor, strict=True):
+        assert fast.keys() == slow.keys()
+        for key in fast:
+            if isinstance(slow[key], float) and math.isnan(slow[key]):  # a NaN gradient's max |g|
+                assert math.isnan(fast[key]), (fast["step"], fast["param"], key)
+            elif key == "mean_abs":
+                assert fast[key] == pytest.approx(slow[key], rel=1e-6)
+            else:
+                assert fast[key] == slow[key], (fast["step"], fast["param"], key)
+    for record in batched:
+        grad = shapes_coefficients(record["step"])[record["param"]].reshape(-1)
+        finite = grad[torch.isfinite(grad)]
+        assert record["nonfinite"] == grad.numel() - finite.numel()
+        assert record["zero_frac"] == (grad == 0).sum().item() / grad.numel()
+        if record["nonfinite"] == 0:
+            assert record["max_abs"] == grad.abs().max().item()
+            assert record["mean_abs"] == pytest.approx(grad.abs().mean().item(), rel=1e-6)
+        low, high = finite.min().item(), finite.max().item()
+        if low == high:
+            low, high = low - 1, high + 1
+        assert (record["hist_lo"], record["hist_hi"]) == (low, high)
+        if record["numel"] <= 64:  # below the sample size the histogram is exact
+            assert record["hist_counts"] == torch.histc(finite, 6, low, high).long().tolist()
+        else:
+            assert record["hist_sample"] == 64
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises, after the gradients created later have been hooked."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def test_a_backward_that_raises_midway_leaves_the_batched_statistics_of_the_last_finished_one():
+    model = Shapes()
+    with GradTracer(model, full_every=1, histogram_bins=6, histogram_sample=64) as tracer:
+        assert tracer._batched is not None
+        model(shapes_coefficients(0)).backward()
+        leaf = torch.ones(1, requires_grad=True)
+        exploding = Boom.apply(leaf)  # created first, so its backward runs after the parameters'
+        partial = model({name: 100 * c for name, c in shapes_coefficients(2).items()}) + exploding.sum()
+        with pytest.raises(RuntimeError, match="boom"):
+            partial.backward()
+        assert model.matrix.grad.abs().max() > 100  # the failed backward did reach the parameters
+        tracer.step()
+    for record in tracer.history():
+        grad = shapes_coefficients(0)[record["param"]]
+        assert record["accumulations"] == 1
+        assert record["max_abs"] == grad.abs().max().item(), record["param"]

@@ -1,10 +1,13 @@
-"""Checks for the exercise of 13_memory: graphs kept alive across steps.
+"""Checks for the exercises of 13_memory: graphs kept alive across steps, and counting what autograd keeps.
 
 13.1 asks for a validation loss that keeps no batch's autograd graph alive once the next batch has
 started (the planted bug adds each loss tensor into a running total, so every graph and its saved
 activations live until the end). The check watches what autograd saves through
-`torch.autograd.graph.saved_tensors_hooks`. Activation checkpointing's exercise moved with case K4 to
-16_speed_and_memory (`labkit/exercises/nb16.py`).
+`torch.autograd.graph.saved_tensors_hooks`. 13.2 asks for that count itself, written with the same
+hook: the activation bytes a module's forward keeps, as `memory.saved_bytes` counts them, on blocks
+the notebook does not show (the planted bug adds up every tensor the hook is handed, so the
+parameters, the input and a tensor two operations save are all counted). Activation
+checkpointing's exercises moved with case K4 to 16_speed_and_memory (`labkit/exercises/nb16.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.exercises import NotYet, exercise
+from labkit.memory import saved_bytes
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -113,3 +117,140 @@ def _require_mean(result: object, expected: float) -> None:
             f"you returned {result:.6g}, but the mean of F.cross_entropy(model(x), y) over the "
             f"{BATCHES} batches is {expected:.6g}"
         )
+
+
+@exercise(
+    "13.2",
+    notebook=NOTEBOOK,
+    title="count what autograd keeps, with its own hook",
+    hint=(
+        "look at each tensor your pack hook is handed: is it an activation, and have you seen its storage before?",
+        (
+            "keep only tensors whose storage is not a parameter's, a buffer's or an input's, and count each storage "
+            "once: a tensor two operations save is one tensor"
+        ),
+        (
+            "collect the storages to leave out first ({t.untyped_storage().data_ptr() for t in [*module.parameters(), "
+            "*module.buffers(), *inputs]}); in the pack hook, add t.untyped_storage().nbytes() to a dict keyed by "
+            "t.untyped_storage().data_ptr() unless that key is left out; return the sum of the dict's values"
+        ),
+    ),
+    planted="includes the parameters",
+)
+def check_activation_bytes(activation_bytes: Callable) -> str:
+    """Equal to memory.saved_bytes on two blocks the notebook does not show; a wrong count is diagnosed."""
+    counted = []
+    for label, module, inputs in _counting_fixtures():
+        expected = saved_bytes(module, *inputs)
+        result = activation_bytes(module, *inputs)
+        if isinstance(result, bool) or not isinstance(result, int):
+            raise NotYet(f"on {label}, you returned a {type(result).__name__}: return the bytes as an int")
+        if result != expected:
+            raise NotYet(_miscount(label, module, inputs, result, expected))
+        counted.append(f"{expected:,} B for {label}")
+    return "your count matches memory.saved_bytes: " + " and ".join(counted)
+
+
+class _GatedBlock(nn.Module):
+    """A GLU-style block: half of one projection gates the other half, so a saved view (a chunk) appears."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * hidden), nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.up(x).chunk(2, dim=-1)
+        return self.down(value * torch.sigmoid(gate))
+
+
+def _counting_fixtures() -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...]]]:
+    generator = torch.Generator().manual_seed(1)
+    mlp = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)).double()
+    gated = _GatedBlock(FEATURES, HIDDEN // 2).double()
+    return [
+        ("a Linear → ReLU → Linear block", mlp, (torch.randn(ROWS, FEATURES, generator=generator, dtype=torch.float64),)),
+        ("a gated block (value * sigmoid(gate), from one projection's two halves)", gated,
+         (torch.randn(ROWS, FEATURES, generator=generator, dtype=torch.float64),)),
+    ]  # fmt: skip
+
+
+# How a count can go wrong, each as the flag that gets it right, and what the diagnosis says when it is off.
+_MISREADINGS = {
+    "skip_state": "includes the parameters ({:,} B), which the model holds whether or not you train",
+    "skip_inputs": "includes the input ({:,} B), which existed before the forward",
+    "once": "has {:,} B twice: a tensor that two operations save is one tensor, so count each storage once",
+    "storage": (
+        "misses {:,} B of a saved view (a chunk of a larger tensor): a view keeps its whole storage alive, so count "
+        "t.untyped_storage().nbytes(), not t.numel() * t.element_size()"
+    ),
+}
+
+
+def _miscount(label: str, module: nn.Module, inputs: tuple, result: int, expected: int) -> str:
+    said = f"on {label}, you counted {result:,} B, but autograd keeps {expected:,} B of activations for backward"
+    outputs = _layer_outputs_bytes(module, inputs)
+    if result == outputs:
+        return (
+            f"{said}: you counted what every layer outputs, but autograd keeps what backward needs (a layer whose "
+            "backward needs its output keeps it, one that needs its input keeps that, and the last layer's output "
+            "is kept by none)"
+        )
+    right = dict.fromkeys(_MISREADINGS, True)
+    # The fewest wrong flags that reproduce the learner's number name the likeliest mistakes.
+    for wrong in sorted(_flag_subsets(), key=len):
+        flags = {**right, **dict.fromkeys(wrong, False)}
+        if wrong and _count(module, inputs, **flags) == result:
+            clauses = [
+                _MISREADINGS[flag].format(abs(_count(module, inputs, **{**right, flag: False}) - expected))
+                for flag in wrong
+            ]
+            return f"{said}: your count " + "; it ".join(clauses)
+    return f"{said} (each storage once, leaving out the parameters, the buffers and the input)"
+
+
+def _flag_subsets() -> list[tuple[str, ...]]:
+    names = list(_MISREADINGS)
+    return [tuple(n for bit, n in enumerate(names) if mask >> bit & 1) for mask in range(2 ** len(names))]
+
+
+def _count(module: nn.Module, inputs: tuple, *, skip_state: bool, skip_inputs: bool, once: bool,
+           storage: bool) -> int:
+    left_out = set()
+    if skip_state:
+        left_out |= {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    if skip_inputs:
+        left_out |= {t.untyped_storage().data_ptr() for t in inputs}
+    seen: dict[int, int] = {}
+    repeats = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = tensor.untyped_storage().data_ptr()
+        nbytes = tensor.untyped_storage().nbytes() if storage else tensor.numel() * tensor.element_size()
+        if key in left_out:
+            return tensor
+        if key in seen:
+            repeats[0] += nbytes
+        else:
+            seen[key] = nbytes
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(*inputs)
+    return sum(seen.values()) + (0 if once else repeats[0])
+
+
+def _layer_outputs_bytes(module: nn.Module, inputs: tuple) -> int:
+    outputs = [0]
+
+    def add(layer, args, output) -> None:
+        outputs[0] += output.numel() * output.element_size()
+
+    leaves = [m for m in module.modules() if not list(m.children())]
+    handles = [leaf.register_forward_hook(add) for leaf in leaves]
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs[0]

@@ -1,9 +1,14 @@
-"""Checks for the exercise of 16_speed_and_memory: activation checkpointing by segments.
+"""Checks for the exercises of 16_speed_and_memory: activation checkpointing by segments, and which blocks.
 
 16.1 asks for a forward that checkpoints segments of several blocks, so that only each segment's
 input is kept (the planted bug checkpoints only the activation function, the article's K4 approach,
 and saves nothing; checkpointing every block, the notebook's fix, keeps one input per block). The
 check watches what autograd saves through `torch.autograd.graph.saved_tensors_hooks`.
+
+16.2 asks which blocks to checkpoint so that what autograd keeps fits a budget with the fewest
+blocks recomputed; the blocks have the same shapes and keep different bytes (the planted bug assumes
+each frees what the first does, and misses the budget). The check applies the plan and measures it
+with `memory.saved_bytes`, the counter the learner is handed too.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import nn
 
 from labkit.exercises import NotYet, by_how_much, exercise
+from labkit.memory import saved_bytes
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -44,6 +50,9 @@ TOLERANCE = 1e-12
 )
 def check_checkpointed_forward(checkpointed_forward: Callable) -> str:
     """Same output and gradients as the plain forward, with only each segment's input saved."""
+    # Tiny matmuls: on a busy machine a second intra-op thread spins for each of them and costs more CPU
+    # time than the matmul itself (grading restores the thread count afterwards).
+    torch.set_num_threads(1)
     blocks, x = _blocks_fixture()
     plain_output = _plain_forward(blocks, x)
     plain_grads = torch.autograd.grad(plain_output.square().sum(), list(blocks.parameters()))
@@ -139,3 +148,131 @@ def _require_same_gradients(grads: tuple, expected: tuple) -> None:
     difference = max((g - e).abs().max().item() for g, e in zip(grads, expected))
     if difference > 1e-10:
         raise NotYet(f"the gradients differ {by_how_much(difference)} from those of the plain forward")
+
+
+class _WrittenOutSiLU(nn.Module):
+    """x * sigmoid(x) in two operations: sigmoid keeps its output and the product keeps both factors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+
+# Four blocks with the same Linear shapes (so the same FLOPs to recompute) and different activations,
+# so they keep different bytes (3, 1, 2 and 1 hidden tensors): the heaviest first, the next heaviest third.
+MIXED_ACTIVATIONS = (_WrittenOutSiLU, nn.ReLU, nn.GELU, nn.Tanh)
+# How much each budget asks to free, in units of what the lightest block frees: 2.5 needs the heaviest
+# block alone, 4.5 needs it and the next heaviest.
+DEFICITS = (2.5, 4.5)
+
+
+@exercise(
+    "16.2",
+    notebook=NOTEBOOK,
+    title="checkpoint the blocks that keep the most",
+    hint=(
+        "the blocks have the same shapes, but do they keep the same bytes? measure before you pick",
+        (
+            "checkpointing a block frees what it keeps inside (its input stays kept, by checkpoint): measure that "
+            "for each block with kept_bytes(block, block_input), then take the largest first"
+        ),
+        (
+            "excess = kept_bytes(blocks, x) - budget; frees = [kept_bytes(block, x) for block in blocks] (the bytes do "
+            "not depend on the values); then add the indices in order of decreasing frees until their sum is at "
+            "least excess, and return them"
+        ),
+    ),
+    planted="over the budget",
+)
+def check_blocks_to_checkpoint(blocks_to_checkpoint: Callable) -> str:
+    """Each budget met, measured with the plan applied, by checkpointing no more blocks than needed."""
+    torch.set_num_threads(1)  # tiny matmuls, as in check_checkpointed_forward
+    blocks, x = _mixed_blocks_fixture()
+    plain = saved_bytes(blocks, x)
+    frees = _what_each_block_frees(blocks, x)
+    picked_text = []
+    for deficit in DEFICITS:
+        budget = plain - int(deficit * min(frees))
+        plan = _require_plan(blocks_to_checkpoint(blocks, x, budget, saved_bytes), len(blocks), budget)
+        kept = saved_bytes(_Planned(blocks, plan), x)
+        if kept > budget:
+            raise NotYet(
+                f"with a budget of {budget:,} B (the plain forward keeps {plain:,} B), you checkpoint blocks "
+                f"{_indices(plan)}, and autograd still keeps {kept:,} B, over the budget: those blocks free less "
+                "than you assumed"
+            )
+        needed = _fewest_blocks(frees, plain - budget)
+        if len(plan) > len(needed):
+            which = (f"the one that keeps the most (block {needed[0]})" if len(needed) == 1
+                     else f"the {len(needed)} that keep the most (blocks {_indices(needed)})")
+            raise NotYet(
+                f"with a budget of {budget:,} B, you checkpoint {len(plan)} blocks, so backward recomputes the "
+                f"forward of {len(plan)} blocks; checkpointing {which} fits the budget too"
+            )
+        picked_text.append(f"{len(plan)} for {plain - budget:,} B")
+    return (
+        f"both budgets met with the fewest blocks recomputed ({' and '.join(picked_text)} to free; the {len(blocks)} "
+        f"blocks, all of the same shapes, free from {min(frees):,} to {max(frees):,} B each)"
+    )
+
+
+class _Planned(nn.Module):
+    """The blocks in turn, with the planned ones checkpointed."""
+
+    def __init__(self, blocks: nn.Sequential, plan: list[int]) -> None:
+        super().__init__()
+        self.blocks, self.plan = blocks, set(plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if index in self.plan else block(x)
+        return x
+
+
+def _mixed_blocks_fixture() -> tuple[nn.Sequential, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    blocks = nn.Sequential(*(
+        nn.Sequential(nn.Linear(BLOCK_WIDTH, BLOCK_HIDDEN), activation(), nn.Linear(BLOCK_HIDDEN, BLOCK_WIDTH))
+        for activation in MIXED_ACTIVATIONS
+    )).double()
+    with torch.no_grad():
+        for parameter in blocks.parameters():
+            parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+    return blocks, torch.randn(BLOCK_ROWS, BLOCK_WIDTH, generator=generator, dtype=torch.float64)
+
+
+def _what_each_block_frees(blocks: nn.Sequential, x: torch.Tensor) -> list[int]:
+    """What checkpointing each block alone frees: what it keeps besides its input (checkpoint keeps that)."""
+    frees = []
+    with torch.no_grad():
+        for block in blocks:
+            frees.append(saved_bytes(block, x))
+            x = block(x)
+    return frees
+
+
+def _fewest_blocks(frees: list[int], excess: int) -> list[int]:
+    # Every block costs the same to recompute, so the heaviest first frees the most per recomputed block.
+    chosen: list[int] = []
+    for index in sorted(range(len(frees)), key=lambda i: -frees[i]):
+        if sum(frees[i] for i in chosen) >= excess:
+            break
+        chosen.append(index)
+    return sorted(chosen)
+
+
+def _require_plan(plan: object, count: int, budget: int) -> list[int]:
+    try:
+        indices = list(plan)  # type: ignore[call-overload]
+    except TypeError:
+        raise NotYet(
+            f"with a budget of {budget:,} B you returned a {type(plan).__name__}: return a list of block indices"
+        ) from None
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in indices):
+        raise NotYet(f"with a budget of {budget:,} B you returned {indices!r}: return indices from 0 to {count - 1}")
+    if len(set(indices)) != len(indices):
+        raise NotYet(f"with a budget of {budget:,} B you returned {indices!r}: name each block at most once")
+    return indices
+
+
+def _indices(indices: list[int]) -> str:
+    return ", ".join(map(str, sorted(indices)))

@@ -24,9 +24,11 @@ from torch import nn
 from labkit._torch_compat import (
     foreach_copy_,
     foreach_norm,
+    foreach_sub_,
     graph_task_id,
     queue_backward_callback,
     rearm_post_accumulate_grad_hooks,
+    segment_reduce,
     tensor_identity,
 )
 from labkit.errors import LabkitError
@@ -118,6 +120,10 @@ _FULL_SCALARS = 6  # non-finite count, zero count, sum |g|, max |g|, finite min,
 # sample's binning a few microseconds; the record says how many values the counts come from.
 HISTOGRAM_SAMPLE = 16_384
 _NO_FULL_STATS = _FullStats()
+# Gradients of at most this many values are reduced together on a full-statistics step (`_Batched`):
+# on them the cost is per-op dispatch (~10 us an op, a dozen ops a parameter), not memory passes;
+# larger ones keep their own reductions, whose per-op cost their size hides.
+_BATCHED_NUMEL = 2**17
 # An exploding alert compares a norm with the median of the parameter's last finite norms, and
 # waits until it has this many (or all `baseline_steps`, if fewer): the median of one or two norms
 # is just those steps' own, often the large, noisy norms of the first steps after initialisation,
@@ -203,7 +209,9 @@ class GradTracer:
     many positions, drawn once per parameter from ``histogram_seed`` (the same seed gives the same
     histogram); ``hist_sample`` says how many values the counts come from (``numel`` when exact;
     ``histogram_sample=None`` counts them all, at ~7 ns a value). Together these cost about three
-    more passes over every gradient. ``activations=True`` adds forward hooks on the
+    more passes over every gradient; gradients of at most 131,072 values (of one dtype and device)
+    are copied into one buffer and reduced there together, the same numbers in a few ops per step
+    rather than a dozen per parameter. ``activations=True`` adds forward hooks on the
     model's leaf modules (`activation_history`); ``update_ratio=True`` (needs the optimizer)
     records ``||p_after - p_before|| / ||p_before||`` per parameter, exactly, from one copy of the
     parameters kept across steps.
@@ -311,6 +319,7 @@ class GradTracer:
         self._activation_modules: list[tuple[str, nn.Module]] = []
         self._params_before: list[torch.Tensor] = []
         self._norms_before: list[torch.Tensor] = []
+        self._batched: _Batched | None = None
         self._reset_pending()
 
     # ----------------------------------------------------------------- attach / detach
@@ -331,6 +340,7 @@ class GradTracer:
             self, _release_hooks, self._grad_handles, self._other_handles, self._traced_ids
         )
         self._identities = [tensor_identity(p) for p in self._params]
+        self._batched = self._build_batched()
         self._hook_parameters_needing_grad()
         # Before each forward pass: are the model's parameters still the ones hooked?
         self._other_handles.append(
@@ -346,6 +356,7 @@ class GradTracer:
         if self._finalizer is not None:
             self._finalizer()
         self._params_before = []
+        self._batched = None
         self._scratch.clear()
         self._attached = False
         self._backwards.clear()
@@ -404,6 +415,7 @@ class GradTracer:
         self._owners = [_owner(self.model, name) for name in self.names]
         self._identities = [tensor_identity(p) for p in params]
         self._grad_handles[:] = [None] * len(params)
+        self._batched = self._build_batched()
         self._hook_parameters_needing_grad()
         if self._trace_updates:
             self._params_before = [p.detach().clone() for p in params]
@@ -443,7 +455,7 @@ class GradTracer:
             seen = seen.to_dense()
         flat = _flat_for_reduction(seen)
         summary = (torch.dot(flat, flat), flat.sum())
-        if self._full_step:
+        if self._full_step and not (self._batched is not None and index in self._batched.slots):
             summary = (*summary, *self._full_summary(index, flat))
         staged[index] = (grad, seen, summary)
         if task < 0:  # not inside the autograd engine's backward: nothing to wait for
@@ -455,6 +467,23 @@ class GradTracer:
         positions = self._histogram_positions(index, flat)
         sample = flat.clone() if positions is None else flat.take(positions)
         return (_fast_full_scalars(flat, self._scratch_for(flat)), sample)
+
+    def _build_batched(self) -> _Batched | None:
+        """The small gradients that full-statistics steps reduce together (the sampled histogram
+        mode only): those of at most `_BATCHED_NUMEL` values of the first such parameter's dtype and
+        device; None when fewer than two qualify."""
+        if self._full_every == 0 or self._sample_size is None:
+            return None
+        small = [(k, p) for k, p in enumerate(self._params)
+                 if p.numel() <= _BATCHED_NUMEL and p.dtype in _REDUCED_AS_IS and not p.is_sparse]  # fmt: skip
+        if not small:
+            return None
+        kind = (small[0][1].dtype, small[0][1].device)
+        chosen = [(k, p) for k, p in small if (p.dtype, p.device) == kind]
+        if len(chosen) < 2:
+            return None
+        positions = [self._histogram_positions(k, p.detach().reshape(-1)) for k, p in chosen]
+        return _Batched(chosen, positions)
 
     def _histogram_positions(self, index: int, flat: torch.Tensor) -> torch.Tensor | None:
         """The fixed positions of ``flat`` that parameter ``index``'s histogram counts, or None
@@ -506,6 +535,9 @@ class GradTracer:
                 self._first_grad = (self._params[index], grad)
             self._pending[index] = summary
             self._grads_seen[index] = seen
+        if self._full_step and self._batched is not None:
+            # Here, not in the hook: a backward that raises midway must not overwrite the buffer.
+            self._batched.store(staged)
 
     def _step_was_abandoned(self) -> bool:
         # The step's .grad tensor is gone or replaced although optimizer.step() has not closed the
@@ -538,10 +570,12 @@ class GradTracer:
         pending[0] += 1
         pending[1] += output.numel()
         pending[2] = pending[2] + sums
-        pending[3] = pending[3] | alive
+        if alive is not None:
+            pending[3] = pending[3] | alive
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        foreach_copy_(self._params_before, [p.detach() for p in self._params])
+        with torch.no_grad():  # the parameters themselves, no per-step detach() of each
+            foreach_copy_(self._params_before, self._params)
         self._norms_before = foreach_norm(self._params_before)
 
     def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -549,8 +583,8 @@ class GradTracer:
         if self._trace_updates:
             # In place, in the copy kept across steps: a fresh tensor for the difference would
             # allocate (and page in) a second copy of the parameters every step.
-            for before, param in zip(self._params_before, self._params):
-                before.sub_(param.detach())
+            with torch.no_grad():
+                foreach_sub_(self._params_before, self._params)
             update = torch.stack([*foreach_norm(self._params_before), *self._norms_before])
         self._close_step(update)
 
@@ -601,11 +635,16 @@ class GradTracer:
             )
         activations = [(k, p) for k, p in enumerate(self._activation_pending) if p is not None]
         summaries = [s for s in self._pending if s is not None]
-        on_device = _step_tensors(summaries, [p for _, p in activations], update, self._bins)
+        batched = [] if self._batched is None or not self._full_step else [
+            k for k in self._batched.slots if self._pending[k] is not None
+        ]  # fmt: skip
+        block = self._batched.full_block(batched, self._bins) if batched else None
+        on_device = _step_tensors(summaries, [p for _, p in activations], update, self._bins, block)
         # The one synchronisation of the step: everything the hooks left on the device, at once.
         values = iter(torch.cat(on_device).tolist() if on_device else ())
         cheap = iter([(next(values), next(values)) for _ in summaries])
-        rows = [self._gradient_row(index, cheap, values) for index in range(len(self._params))]
+        full = self._full_values(values, batched)
+        rows = [self._gradient_row(index, cheap, full) for index in range(len(self._params))]
         activation_rows = [self._activation_row(k, pending, values) for k, pending in activations]
         if update is not None:
             rows = _with_update_ratios(rows, values)
@@ -616,8 +655,18 @@ class GradTracer:
         self._reset_pending()
         self._hook_parameters_needing_grad()
 
+    def _full_values(self, values: Iterator[float], batched: list[int]) -> dict[int, Iterator[float]]:
+        """Each full-statistics row's numbers, by parameter: the per-tensor ones first, in parameter
+        order, then the batched ones (`_step_tensors`' layout)."""
+        if not self._full_step:
+            return {}
+        width = _FULL_SCALARS + self._bins
+        taken = set(batched)
+        order = [k for k, s in enumerate(self._pending) if s is not None and k not in taken] + batched
+        return {k: iter([next(values) for _ in range(width)]) for k in order}
+
     def _gradient_row(
-        self, index: int, cheap: Iterator[tuple[float, float]], values: Iterator[float]
+        self, index: int, cheap: Iterator[tuple[float, float]], full_values: dict[int, Iterator[float]]
     ) -> _GradRow:
         param, step, name = self._params[index], self._step, self.names[index]
         numel, frozen = param.numel(), not param.requires_grad
@@ -627,7 +676,7 @@ class GradTracer:
         full = _NO_FULL_STATS
         if self._full_step:
             sample = self._hist_sample(numel)
-            full = _read_full_stats(values, numel, self._bins, sample)
+            full = _read_full_stats(full_values[index], numel, self._bins, sample)
             if self._sample_size is not None and not math.isfinite(total_sq):
                 full = self._nonfinite_full_stats(index, sample)
         nonfinite = full.nonfinite
@@ -651,14 +700,17 @@ class GradTracer:
         return _read_full_stats(values, flat.numel(), self._bins, sample)
 
     def _activation_row(self, index: int, pending: list, values: Iterator[float]) -> _ActivationRow:
+        # `_activation_summary`'s layout: the sums, a saturated count (tanh, sigmoid), then a
+        # live-unit count (ReLU)
         calls, count, _, alive = pending
-        total, total_sq, saturated, live = (next(values) for _ in range(4))
+        total, total_sq = next(values), next(values)
         name, module = self._activation_modules[index]
+        saturating = isinstance(module, (nn.Tanh, nn.Sigmoid))
+        saturated = next(values) / count if saturating else None
+        dead = None if alive is None else 1.0 - next(values) / alive.numel()
         return _ActivationRow(
             self._step, name, type(module).__name__, calls, total / count,
-            _sample_std(total_sq, total, count),
-            saturated / count if isinstance(module, (nn.Tanh, nn.Sigmoid)) else None,
-            1.0 - live / alive.numel() if isinstance(module, nn.ReLU) else None,
+            _sample_std(total_sq, total, count), saturated, dead,
         )  # fmt: skip
 
     def _record(self, rows: list[_GradRow], activation_rows: list[_ActivationRow]) -> None:
@@ -811,27 +863,37 @@ def _binned(
     back), all samples in one bincount: histc's bin arithmetic, the top edge in the last bin, an
     empty range widened by 1 each side; values where ``keep`` is False are not counted. Returns
     one row of ``bins`` counts per sample."""
-    empty = highs <= lows
-    lows, highs = torch.where(empty, lows - 1, lows), torch.where(empty, highs + 1, highs)
     lengths = torch.tensor([sample.numel() for sample in samples], device=lows.device)
     row = torch.repeat_interleave(torch.arange(len(samples), device=lows.device), lengths)
-    values = torch.cat(samples).double()
-    position = ((values - lows[row]) * bins / (highs[row] - lows[row])).long().clamp_(0, bins - 1)
+    return _binned_rows(torch.cat(samples), row, len(samples), lows, highs, bins, keep)
+
+
+def _binned_rows(
+    values: torch.Tensor, row: torch.Tensor, count: int, lows: torch.Tensor, highs: torch.Tensor,
+    bins: int, keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`_binned` of ``count`` samples laid end to end in ``values``, ``row`` saying whose each is."""
+    empty = highs <= lows
+    lows, highs = torch.where(empty, lows - 1, lows), torch.where(empty, highs + 1, highs)
+    values = values.double()
+    spans = highs - lows  # per sample, then gathered: one gather fewer over every value
+    position = ((values - lows[row]) * bins / spans[row]).long().clamp_(0, bins - 1)
     position += row * bins
     if keep is not None:
-        position = torch.where(keep, position, len(samples) * bins)  # past the end, then dropped
+        position = torch.where(keep, position, count * bins)  # past the end, then dropped
     # bincount without weights: deterministic on CUDA too (histc is not)
-    counts = torch.bincount(position, minlength=len(samples) * bins + 1)[: len(samples) * bins]
-    return counts.reshape(len(samples), bins).double()
+    counts = torch.bincount(position, minlength=count * bins + 1)[: count * bins]
+    return counts.reshape(count, bins).double()
 
 
 def _step_tensors(
     summaries: list[tuple[torch.Tensor, ...]], activations: list[list], update: torch.Tensor | None,
-    bins: int,
+    bins: int, batched_block: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The step's device tensors in reading order: every (sum of squares, sum) pair, stacked once
-    rather than once per hook call; full statistics (the sampled histograms binned all at once);
-    activation sums; update norms."""
+    rather than once per hook call; full statistics (the sampled histograms binned all at once),
+    the per-tensor ones then the batched ones (`_Batched.full_block`); activation sums; update
+    norms."""
     tensors = [torch.stack([t for s in summaries for t in s[:2]])] if summaries else []
     tensors += [s[2] for s in summaries if len(s) == 3]
     sampled = [s for s in summaries if len(s) == 4]
@@ -839,10 +901,78 @@ def _step_tensors(
         scalars = torch.stack([s[2] for s in sampled])
         counts = _binned([s[3] for s in sampled], scalars[:, 4], scalars[:, 5], bins)
         tensors.append(torch.cat((scalars, counts), dim=1).reshape(-1))
-    tensors += [torch.cat((sums, alive.sum().reshape(1))) for _, _, sums, alive in activations]
+    if batched_block is not None:
+        tensors.append(batched_block)
+    for _, _, sums, alive in activations:
+        tensors.append(sums)
+        if alive is not None:
+            tensors.append(alive.sum(0, keepdim=True))
     if update is not None:
         tensors.append(update)
     return tensors
+
+
+class _Batched:
+    """The small gradients of a full-statistics step, copied end to end into one buffer as each
+    backward finishes, and reduced there together at step close: a fixed number of ops per step
+    (segment reductions, one take of every histogram sample, one binning) instead of a dozen per
+    parameter. The numbers are the per-tensor path's (`_fast_full_scalars`, the same sampled
+    positions); like it, it assumes finite values, and step close takes a non-finite gradient
+    again exactly."""
+
+    def __init__(self, chosen: list[tuple[int, torch.Tensor]], positions: list[torch.Tensor | None]) -> None:
+        first = chosen[0][1]
+        numels = [p.numel() for _, p in chosen]
+        # zeros, not empty: the segments of parameters without a gradient this step are reduced too
+        # (then dropped), and uninitialised memory may hold NaN
+        self.buffer = torch.zeros(sum(numels), dtype=first.dtype, device=first.device)
+        self.segments = list(self.buffer.split(numels))
+        self.slots = {k: slot for slot, (k, _) in enumerate(chosen)}
+        device = first.device
+        self.lengths = torch.tensor(numels, device=device)
+        self.numels = self.lengths.double()
+        offsets = [0]
+        for numel in numels[:-1]:
+            offsets.append(offsets[-1] + numel)
+        taken = [
+            torch.arange(numel, device=device) if where is None else where
+            for numel, where in zip(numels, positions)
+        ]  # fmt: skip
+        self.positions = torch.cat([where + offset for where, offset in zip(taken, offsets)])
+        sizes = torch.tensor([len(where) for where in taken], device=device)
+        self.rows = torch.repeat_interleave(torch.arange(len(chosen), device=device), sizes)
+        # the non-zero count is a float sum of ones: exact to 2**24 in float32
+        self.count_dtype = torch.float64 if max(numels) > _EXACT_FLOAT_COUNT else first.dtype
+        # each segment's (min, max), from `store`; zeros for a parameter without a gradient yet
+        self.extremes = [self.buffer.new_zeros(2) for _ in chosen]
+
+    def store(self, staged: dict[int, tuple]) -> None:
+        pairs = [(self.slots[k], seen.reshape(-1)) for k, (_, seen, _) in staged.items() if k in self.slots]
+        if pairs:
+            foreach_copy_([self.segments[slot] for slot, _ in pairs], [flat for _, flat in pairs])
+        # min and max one gradient at a time: torch's segment min/max on the CPU is a scalar
+        # loop, several times slower than an aminmax per gradient
+        for slot, flat in pairs:
+            self.extremes[slot] = torch.stack(torch.aminmax(flat))
+
+    def full_block(self, present: list[int], bins: int) -> torch.Tensor:
+        """`_FULL_SCALARS` and histogram counts of the ``present`` parameters, one row each, flat."""
+        values, lengths = self.buffer, self.lengths
+        # unsafe: the lengths are the buffer's own split, so skip the checks (two reads back each);
+        # one column each: a (values, 2) stack to reduce both at once costs more than it saves
+        abs_total = segment_reduce(values.abs(), "sum", lengths=lengths, unsafe=True)
+        nonzero = segment_reduce(values.ne(0).to(self.count_dtype), "sum", lengths=lengths, unsafe=True)
+        low, high = torch.stack(self.extremes).unbind(1)
+        counts = _binned_rows(values.take(self.positions), self.rows, len(self.segments), low, high, bins)
+        scalars = torch.stack((
+            # max(-min, max) >= 0 always; abs() turns the -0.0 of an all-zero gradient into 0.0
+            torch.zeros_like(low), self.numels - nonzero, abs_total, torch.maximum(-low, high).abs(),
+            low, high,
+        ), dim=1).double()  # fmt: skip
+        block = torch.cat((scalars, counts), dim=1)
+        if len(present) < len(self.segments):
+            block = block[torch.tensor([self.slots[k] for k in present], device=block.device)]
+        return block.reshape(-1)
 
 
 def _read_full_stats(values: Iterator[float], numel: int, bins: int, sample: int) -> _FullStats:
@@ -866,24 +996,26 @@ def _sample_std(total_sq: float, total: float, count: int) -> float:
 
 def _activation_summary(
     output: torch.Tensor, module: nn.Module, unit_dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-side sums of one forward output and, for ReLU, which units (``unit_dim``) fired."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Device-side sums of one forward output (sum, sum of squares and, for tanh and sigmoid, the
+    saturated count) and, for ReLU, which units (``unit_dim``) fired (None for other modules).
+    As few ops as that: on small models the cost is per op, once per module per forward."""
     values = output if output.dtype in _REDUCED_AS_IS else output.float()
-    if isinstance(module, nn.Tanh):
-        saturated = ((1 - values * values) < SATURATED_DERIVATIVE).sum()
-    elif isinstance(module, nn.Sigmoid):
-        saturated = ((values * (1 - values)) < SATURATED_DERIVATIVE / 4).sum()
-    else:
-        saturated = values.new_zeros(())
     flat = values.reshape(-1)
-    sums = torch.stack((flat.sum(), torch.dot(flat, flat), saturated.to(flat.dtype)))
-    if isinstance(module, nn.ReLU) and values.dim() >= 2:
-        # a unit fired when its largest output is > 0: one reduction, no transposed copy
-        others = [d for d in range(values.dim()) if d != unit_dim % values.dim()]
-        alive = values.amax(dim=others).gt(0)
-    else:
-        alive = values.new_ones(1, dtype=torch.bool)
-    return sums, alive
+    parts = [flat.sum(), torch.dot(flat, flat)]
+    if isinstance(module, nn.Tanh):
+        parts.append(((1 - values * values) < SATURATED_DERIVATIVE).sum().to(flat.dtype))
+    elif isinstance(module, nn.Sigmoid):
+        parts.append(((values * (1 - values)) < SATURATED_DERIVATIVE / 4).sum().to(flat.dtype))
+    alive = None
+    if isinstance(module, nn.ReLU):
+        if values.dim() >= 2:
+            # a unit fired when its largest output is > 0: one reduction, no transposed copy
+            others = [d for d in range(values.dim()) if d != unit_dim % values.dim()]
+            alive = values.amax(dim=others).gt(0)
+        else:
+            alive = values.new_ones(1, dtype=torch.bool)
+    return torch.stack(parts), alive
 
 
 def _with_update_ratios(rows: list[_GradRow], values: Iterator[float]) -> list[_GradRow]:

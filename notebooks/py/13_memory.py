@@ -23,12 +23,12 @@
 # You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
 # (`loss.backward()`, `optimizer.step()`); bytes per float32.
 #
-# **Time:** about 30 min to read and run, plus about 10 min for the exercise. Run All takes about
+# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 24 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
 # [saved tensor](GLOSSARY.md#saved-tensor),
-# [peak memory](GLOSSARY.md#peak-memory), [fake tensor](GLOSSARY.md#fake-tensor).
+# [peak memory](GLOSSARY.md#peak-memory), [fake tensor](GLOSSARY.md#fake-tensor), [hook](GLOSSARY.md#hook).
 #
 # **GPU-only cells:** 2 cells (cases K2 and K8) run only on a CUDA GPU; on a CPU they print at most
 # one line saying so. They are collapsed: click the bar at a collapsed cell's left to open it.
@@ -763,6 +763,71 @@ def mean_validation_loss(model, batches):
 
 # %% nbgrader={"grade": true, "grade_id": "check_13_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("13.1", mean_validation_loss)
+
+
+# %% [markdown]
+# ### Exercise 13.2: count what autograd keeps, with its own hook
+# Every activation count above came from `memory.saved_bytes`. Write that count yourself, with the
+# [hook](GLOSSARY.md#hook) it is built on: inside `with torch.autograd.graph.saved_tensors_hooks(pack, unpack):`,
+# autograd calls `pack(tensor)` for each tensor an operation saves for backward, and stores what
+# `pack` returns (return the tensor itself, and let `unpack` give it back). `activation_bytes(module, *inputs)`
+# should return the bytes of activations one `module(*inputs)` keeps for backward, as
+# `memory.saved_bytes` counts them: each storage once, leaving out the module's parameters and
+# buffers and the inputs, which exist whether or not you train. The check runs it on two blocks
+# this notebook does not show.
+#
+# Predict first: the pre-norm block below (LayerNorm → Linear → Tanh → Linear, 32 rows of width
+# 64, hidden width 256, float32) saves what for backward, and how many bytes is that? Which
+# operation's backward needs its input, which its output, and does any tensor serve two of them?
+# The version below adds up every tensor the hook is handed.
+
+# %%
+# planted bug for exercise 13.2
+def activation_bytes(module, *inputs):
+    """The bytes of activations autograd keeps for backward in one module(*inputs), each storage once."""
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(*inputs)
+    return total
+
+
+# %%
+# The symptom: the planted count against memory.saved_bytes, on a block the check does not use.
+torch.manual_seed(seed)
+prenorm_block = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+block_rows = torch.randn(32, 64)
+print(f"planted count {activation_bytes(prenorm_block, block_rows):,} B; memory.saved_bytes "
+      f"{memory.saved_bytes(prenorm_block, block_rows):,} B")
+
+
+# %% nbgrader={"grade": false, "grade_id": "exercise_13_2", "locked": false, "schema_version": 3, "solution": true}
+# exercise 13.2
+def activation_bytes(module, *inputs):
+    """The bytes of activations autograd keeps for backward in one module(*inputs), each storage once."""
+    ### BEGIN SOLUTION
+    left_out = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers(), *inputs]}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in left_out:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(*inputs)
+    return sum(kept.values())
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_13_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+grading.check("13.2", activation_bytes)
 
 # %%
 grading.score()

@@ -22,7 +22,7 @@
 # You should know: a training step's parts (weights, gradients, optimizer state, activations);
 # attention as `softmax(q kᵀ/√d) v`; bytes per float32.
 #
-# **Time:** about 30 min to read and run, plus about 10 min for the exercise. Run All takes about
+# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 21 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
@@ -50,6 +50,7 @@ except ModuleNotFoundError as missing:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LABKIT], check=True)
 
 import inspect
+import math
 import re
 import warnings
 
@@ -818,6 +819,85 @@ def checkpointed_forward(blocks, x, blocks_per_segment):
 
 # %% nbgrader={"grade": true, "grade_id": "check_16_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
 grading.check("16.1", checkpointed_forward)
+
+
+# %% [markdown]
+# ### Exercise 16.2: checkpoint the blocks that keep the most
+# Checkpointing a block frees what it keeps inside for backward (its input stays kept: checkpoint
+# saves it) and costs one more forward of the block, inside backward. Under a memory budget, then,
+# checkpoint only as many blocks as it takes. `blocks_to_checkpoint(blocks, x, budget, kept_bytes)`
+# should return the indices of the fewest blocks of `blocks` to checkpoint so that what autograd
+# keeps for backward in `blocks(x)` is at most `budget` bytes. `blocks` is an `nn.Sequential` of
+# `Linear → activation → Linear` blocks whose layers all have the same shapes, so each block costs
+# the same to recompute; `kept_bytes(module, *inputs)` is `memory.saved_bytes`, handed in so that
+# the cell needs nothing but itself. The check applies your plan with
+# `torch.utils.checkpoint.checkpoint` and measures what autograd keeps.
+#
+# Predict first: the four blocks below differ only in their activation function (GELU, ReLU, SiLU,
+# Sigmoid). Does each keep the same bytes, and which two would you checkpoint to halve what the
+# forward keeps? The version below assumes that blocks of the same shapes keep the same.
+
+# %%
+# planted bug for exercise 16.2
+def blocks_to_checkpoint(blocks, x, budget, kept_bytes):
+    """The indices of the fewest blocks to checkpoint so that autograd keeps at most budget bytes."""
+    excess = kept_bytes(blocks, x) - budget
+    if excess <= 0:
+        return []
+    # The blocks have the same layers and shapes, so each frees what the first one frees.
+    each = kept_bytes(blocks[0], x)
+    return list(range(math.ceil(excess / each)))
+
+
+# %%
+# The symptom: the plan, applied, misses the budget.
+class Planned(nn.Module):
+    """The blocks in turn, with the planned ones checkpointed."""
+
+    def __init__(self, blocks, plan):
+        super().__init__()
+        self.blocks, self.plan = blocks, set(plan)
+
+    def forward(self, x):
+        for index, block in enumerate(self.blocks):
+            x = checkpoint(block, x, use_reentrant=False) if index in self.plan else block(x)
+        return x
+
+
+torch.manual_seed(seed)
+mixed_blocks = nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), activation(), nn.Linear(256, 64))
+                               for activation in (nn.GELU, nn.ReLU, nn.SiLU, nn.Sigmoid)))
+mixed_input = torch.randn(32, 64)
+plain_kept = memory.saved_bytes(mixed_blocks, mixed_input)
+half_budget = plain_kept // 2
+planted_plan = blocks_to_checkpoint(mixed_blocks, mixed_input, half_budget, memory.saved_bytes)
+print(f"the plain forward keeps {plain_kept:,} B; budget {half_budget:,} B; checkpointing blocks {planted_plan}, "
+      f"autograd keeps {memory.saved_bytes(Planned(mixed_blocks, planted_plan), mixed_input):,} B")
+
+
+# %% nbgrader={"grade": false, "grade_id": "exercise_16_2", "locked": false, "schema_version": 3, "solution": true}
+# exercise 16.2
+def blocks_to_checkpoint(blocks, x, budget, kept_bytes):
+    """The indices of the fewest blocks to checkpoint so that autograd keeps at most budget bytes."""
+    ### BEGIN SOLUTION
+    excess = kept_bytes(blocks, x) - budget
+    frees, block_input = [], x
+    with torch.no_grad():
+        for block in blocks:
+            frees.append(kept_bytes(block, block_input))
+            block_input = block(block_input)
+    chosen = []
+    for index in sorted(range(len(blocks)), key=lambda i: frees[i], reverse=True):
+        if excess <= 0:
+            break
+        chosen.append(index)
+        excess -= frees[index]
+    return chosen
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_16_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+grading.check("16.2", blocks_to_checkpoint)
 
 # %%
 grading.score()
