@@ -1,8 +1,11 @@
 """Turn a device request ("auto", "cpu", "cuda", "cuda:N", "mps") into a `torch.device` this machine has.
 
 Every labkit entry point that takes a ``device=`` argument resolves it here, so the spellings it
-accepts and the errors it gives are the same everywhere. ``"auto"`` picks CUDA, then Apple's MPS,
-then the CPU. Notebooks reach it through ``repro.setup(device=device)``.
+accepts and the errors it gives are the same everywhere. ``"auto"`` picks CUDA, else the CPU: never
+Apple's MPS, which has no float64, and several notebooks (00, 03, 04, 07, 08, 09) compute references
+in float64 on the notebook's device. ``"mps"`` is accepted where torch reports it, for a learner who
+asks for it; float64 cells then fail with torch's own error. Notebooks reach it through
+``repro.setup(device=device)``.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ import torch
 
 from labkit.errors import LabkitError
 
-__all__ = ["DEVICE_KINDS", "available_kinds", "resolve_device"]
+__all__ = ["AUTO_KINDS", "DEVICE_KINDS", "available_kinds", "resolve_device"]
 
 DEVICE_KINDS = ("cuda", "mps", "cpu")
-"""The device types labkit knows, in the order ``"auto"`` tries them."""
+"""The device types labkit knows."""
+AUTO_KINDS = ("cuda", "cpu")
+"""The device types ``"auto"`` tries, in order (not MPS: no float64 there)."""
 
 
 def available_kinds() -> tuple[str, ...]:
@@ -29,11 +34,12 @@ def resolve_device(device: str | torch.device | None = "auto", *, kinds: tuple[s
 
     ``device`` is ``"auto"`` (or None), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a
     `torch.device`. ``kinds`` are the device types the caller can use (``"auto"`` picks the first
-    of them this machine has). With ``must_exist=False`` a device this machine lacks is still
+    of `AUTO_KINDS` among them that this machine has). With ``must_exist=False`` a device this machine lacks is still
     returned, for a caller that reports "needs a CUDA device" instead of raising.
     """
     if device is None or device == "auto":
-        return torch.device(next(kind for kind in available_kinds() if kind in kinds + ("cpu",)))
+        present = available_kinds()
+        return torch.device(next(kind for kind in AUTO_KINDS if kind in present and kind in kinds + ("cpu",)))
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as error:

@@ -37,6 +37,15 @@ def test_mps_is_refused_naming_what_the_machine_has_unless_torch_reports_it():
         resolve_device("mps")
 
 
+def test_auto_never_picks_mps_but_mps_asked_for_is_given(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")  # MPS has no float64, which notebooks use
+    assert resolve_device("mps") == torch.device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+
+
 def test_a_caller_can_narrow_the_kinds_and_keep_a_missing_cuda_device():
     assert resolve_device("cuda:3", kinds=("cpu", "cuda"), must_exist=False) == torch.device("cuda:3")
     with pytest.raises(LabkitError, match="not supported here: use 'auto', 'cpu', 'cuda' or 'cuda:N'"):
