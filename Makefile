@@ -6,10 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
-# The unit tests and nbval run in TEST_WORKERS processes (pytest-xdist), whole files each, the files with
-# slow tests first (tests/conftest.py); TEST_WORKERS=0 runs them in this process, one after another.
+# The unit tests run in TEST_WORKERS processes (pytest-xdist), whole files each, the files with slow tests
+# first (tests/conftest.py); TEST_WORKERS=0 runs them in this process, one after another. Tests marked
+# `serial` (DataLoader workers that starve beside a second test process) run after them, alone, and so
+# does nbval, whose notebook 14 starts the same workers.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+UNIT_TESTS := tests -q --ignore=tests/browser
 NB ?=
 PREFER ?=
 NAME ?= workbook
@@ -70,19 +73,21 @@ workbook: $(STAMP) ## run every notebook with papermill into runs/$(NAME)/ and w
 
 test: $(STAMP) ## lint, unit tests, nbval over every notebook, then the workbook in a real browser (what CI runs)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest tests -q --ignore=tests/browser $(PARALLEL)
-	$(PY) -m pytest notebooks -q $(NBVAL) $(PARALLEL)
+	$(PY) -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial"
+	$(PY) -m pytest $(UNIT_TESTS) -m serial
+	$(PY) -m pytest notebooks -q $(NBVAL)
 	$(MAKE) --no-print-directory test-browser
 
 test-unit: $(STAMP) ## only the unit tests
-	$(PY) -m pytest tests -q --ignore=tests/browser $(PARALLEL)
+	$(PY) -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial"
+	$(PY) -m pytest $(UNIT_TESTS) -m serial
 
 test-browser: $(STAMP) ## JupyterLab in headless Chromium: Run All, move a slider (installs Debian's chromium as root)
 	@test -x $(CHROMIUM) || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || echo "Debian's chromium is missing and cannot be installed here: the browser tests skip (LABKIT_REQUIRE_BROWSER=1 makes that a failure)"
 	$(PY) -m pytest tests/browser -q
 
 test-notebooks: $(STAMP) ## only nbval over the notebooks (NB=05 for one)
-	$(PY) -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL) $(PARALLEL)
+	$(PY) -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
 
 $(COMPAT_STAMP): pyproject.toml constraints-latest.txt
 	@test -n "$(COMPAT_PYTHON)" && $(COMPAT_PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null \
@@ -93,8 +98,9 @@ $(COMPAT_STAMP): pyproject.toml constraints-latest.txt
 	@touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP) ## unit tests and nbval on the newest releases (Python 3.12, constraints-latest.txt, ~3 GB)
-	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest tests -q --ignore=tests/browser $(PARALLEL)
-	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL) $(PARALLEL)
+	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial"
+	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(UNIT_TESTS) -m serial
+	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
 
 test-gpu: ## GPU-marked tests, nbval over the notebooks and the probe benchmark on a CUDA machine (skips with the reason elsewhere)
 	bash .ci/gpu-runner
