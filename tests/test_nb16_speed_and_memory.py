@@ -25,6 +25,8 @@ def test_checkpointing_and_memory_summary_verdicts_hold_at_other_sizes(tmp_path)
     assert 0 < result.metrics["checkpointed_blocks_memory_ratio"] < 0.5
     k4_evidence = next(c["evidence"] for c in result.claims if c["id"] == "K4")
     assert "fail with TypeError" in k4_evidence and "with the same gradients" in k4_evidence
+    k7_evidence = next(c["evidence"] for c in result.claims if c["id"] == "K7")
+    assert "none about weight decay" in k7_evidence and "is the same" in k7_evidence
     k6_evidence = next(c["evidence"] for c in result.claims if c["id"] == "K6")
     assert "at 64" in k6_evidence and "at 256" in k6_evidence
 

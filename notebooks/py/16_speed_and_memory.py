@@ -712,9 +712,12 @@ claims.check(
     "K7",
     verdict="does-not-hold" if not rows_about_decay and same_memory else "partly",
     evidence=(
-        f"memory_summary formats {len(summary_rows)} allocator statistics ({', '.join(summary_rows[:3])}, ...), none "
-        f"about weight decay or the optimizer; an AdamW step's estimated memory is the same at weight decay "
-        f"{', '.join(map(str, decays))} ({int(step_memory[decays[0]]):,} B each)"
+        f"memory_summary formats {len(summary_rows)} allocator statistics ({', '.join(summary_rows[:3])}, ...), "
+        + (f"of them about weight decay or the optimizer: {', '.join(rows_about_decay)}" if rows_about_decay
+           else "none about weight decay or the optimizer")
+        + "; an AdamW step's estimated memory at weight decay " + ", ".join(map(str, decays)) + " is "
+        + (f"the same ({int(step_memory[decays[0]]):,} B each)" if same_memory
+           else ", ".join(f"{int(step_memory[wd]):,} B" for wd in decays))
     ),
 )
 
