@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed-stamp
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 # The unit tests run in TEST_WORKERS processes (pytest-xdist), whole files each, the files with slow tests
 # first (tests/conftest.py); TEST_WORKERS=0 runs them in this process, one after another. Tests marked
-# `serial` (DataLoader workers that starve beside a second test process) run after them, alone, and so
-# does nbval, whose notebook 14 starts the same workers.
+# `serial` (14's DataLoader tests, which time out beside a second test process) run after them, alone,
+# and so does nbval, whose notebook 14 starts the same workers.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 UNIT_TESTS := tests -q --ignore=tests/browser

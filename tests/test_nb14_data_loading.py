@@ -8,9 +8,9 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "14_data_loading.ipynb"
-# Its DataLoader workers (four threads each where the article's settings are altered) starve under a
-# second test process on two cores: the loader's 60 s limit ran out in 3 of 6 runs beside another test
-# process (pytest-xdist, or a pip install), and in none that had the machine to itself.
+# On two cores beside a second test process (pytest-xdist, or a pip install) the notebook's DataLoader
+# hit its 60 s limit in 3 of 6 runs, and in none that had the machine to itself. The cause is not
+# known; the workers the article blames run four threads each.
 pytestmark = pytest.mark.serial
 SMALL = {"seed": 5, "samples": 64, "batch_size": 32, "epochs": 1, "noisy_samples": 16, "worker_counts": [0, 4]}
 
