@@ -6,11 +6,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
-# The unit tests run in TEST_WORKERS processes (pytest-xdist), whole files each, the files with slow tests
-# first (tests/conftest.py); TEST_WORKERS=0 runs them in this process, one after another. Tests marked
-# `serial` (14's DataLoader tests, which time out beside a second test process) run after them, alone,
-# and so does nbval, whose notebook 14 starts the same workers.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2 runs the unit tests in two processes (pytest-xdist), whole files each, the files with slow
+# tests first (tests/conftest.py); the default, 0, runs them in this process: in parallel a kernel start
+# failed once in six full runs ("Kernel died before replying to kernel_info"), so CI stays sequential.
+# Tests marked `serial` (14's DataLoader tests, which time out beside a second test process) run after the
+# others, alone, and so does nbval, whose notebook 14 starts the same workers.
+TEST_WORKERS ?= 0
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 UNIT_TESTS := tests -q --ignore=tests/browser
 NB ?=
