@@ -7,6 +7,13 @@ papermill's command line does, and exits with `DEAD_KERNEL_EXIT` when nbclient r
 than from the wording of a log line. On Linux it also dies with its parent (`die_with_parent`), so a
 SIGKILL of `python -m labkit repro`, which no handler can see, does not leave papermill and its kernel
 running to the cell timeout.
+
+A kernel that dies or stalls before the first cell starts is replaced once by a fresh kernel
+(`KERNEL_START_TRIES`): jupyter_client picks the kernel's ports, closes them and hands them to the kernel
+to bind, so another process on the machine may take one in between (a known race of Jupyter kernels;
+seen here as "Kernel died before replying to kernel_info" once in six runs of the tests in two
+processes). Nothing of the notebook ran, so starting again loses nothing; once a cell has started, a
+dead kernel is the notebook's failure and is never retried.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 DEAD_KERNEL_EXIT = 3
 # Optional packages a dependency imports when they are installed, which this process never uses and
@@ -22,6 +30,7 @@ DEAD_KERNEL_EXIT = 3
 # CPU per run. Its one use is jsonschema's "iri" format checker, and nbformat validates notebooks with
 # fastjsonschema and no format checker, as papermill and nbclient do.
 UNUSED_SLOW_IMPORTS = ("rfc3987_syntax",)
+KERNEL_START_TRIES = 2
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 ORPHANED_EXIT = 4
 
@@ -54,18 +63,43 @@ def skip_unused_slow_imports() -> None:
 def main(argv: list[str]) -> int:
     die_with_parent()  # first: papermill's import takes seconds, in which the parent may die
     skip_unused_slow_imports()
-    import papermill
     from nbclient.exceptions import DeadKernelError
 
     source, output, cwd, kernel, cell_timeout, parameters = argv
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # what papermill's own command line logs
     try:
-        papermill.execute_notebook(source, output, parameters=json.loads(parameters), kernel_name=kernel,
-                                   cwd=cwd, execution_timeout=int(cell_timeout), progress_bar=False)
+        execute_with_a_fresh_kernel_if_it_did_not_start(
+            dict(input_path=source, output_path=output, cwd=cwd, kernel_name=kernel,
+                 execution_timeout=int(cell_timeout), parameters=json.loads(parameters), progress_bar=False))
     except DeadKernelError:
         logging.exception("the kernel died")
         return DEAD_KERNEL_EXIT
     return 0
+
+
+def execute_with_a_fresh_kernel_if_it_did_not_start(papermill_arguments: dict) -> None:
+    """papermill.execute_notebook, tried again (up to `KERNEL_START_TRIES` in all) while no cell has started."""
+    import papermill
+
+    for attempt in range(1, KERNEL_START_TRIES):
+        try:
+            papermill.execute_notebook(**papermill_arguments)
+            return
+        except (RuntimeError, TimeoutError):  # "Kernel died before replying to kernel_info", a start timeout
+            if any_cell_started(papermill_arguments["output_path"]):
+                raise
+            logging.exception("the kernel did not start (try %d of %d); no cell had run, so starting a fresh one",
+                              attempt, KERNEL_START_TRIES)
+    papermill.execute_notebook(**papermill_arguments)
+
+
+def any_cell_started(output: str) -> bool:
+    """Whether papermill stamped a start time on any cell of `output` (it writes the notebook at every end)."""
+    try:
+        cells = json.loads(Path(output).read_text())["cells"]
+    except (OSError, ValueError, KeyError):  # not written, or cut short: nothing shows a cell ran
+        return False
+    return any(cell.get("metadata", {}).get("papermill", {}).get("start_time") for cell in cells)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ FIXTURE_RUN_S = 120
 FIXTURE_TEST_TIMEOUT_S = 150
 
 PARAMETERS = 'mode = "ok"\nlabel = "x"\nvalue = 1.0\nsteps = 3'
-# "child": starts a grandchild of the kernel and waits; "sleep": only waits; "ok": records where
+# "child": starts a grandchild of the kernel and waits; "sleep": only waits; "die": ends the kernel; "ok": records where
 # temporary files would go and returns. "started" appears in the run folder once the cell runs.
 BODY = """
 import json, os, subprocess, sys, tempfile, time
@@ -45,6 +45,8 @@ if mode == "child":
 elif mode == "sleep":
     open("started", "w").write("")
     time.sleep(300)
+elif mode == "die":
+    os._exit(1)
 json.dump({"tmp": tempfile.gettempdir(), "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
            "runtime": os.environ.get("JUPYTER_RUNTIME_DIR"), "value": value, "label": label},
           open("where.json", "w"))
@@ -159,6 +161,53 @@ def test_a_timeout_stops_the_kernels_own_children_too(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "started").exists(), "the cell that starts a child ran before the timeout"
     assert result.status == "failed" and "timed out after 30 s in cell 1" in result.error
     assert survivors_after(tag, seconds=5) == []
+
+
+# A kernel launcher that appends a line to STARTS at every start and exits, as a kernel whose port was
+# taken exits, for the first FAILS starts; later starts are a real kernel.
+FLAKY_KERNEL = """
+import runpy, sys
+starts, fails = sys.argv[1], int(sys.argv[2])
+with open(starts, "a") as file:
+    file.write("start\\n")
+if sum(1 for _ in open(starts)) <= fails:
+    sys.exit("zmq.error.ZMQError: Address already in use (the test's simulated port race)")
+sys.argv = ["ipykernel_launcher", *sys.argv[3:]]
+runpy.run_module("ipykernel_launcher", run_name="__main__")
+"""
+
+
+def install_flaky_kernel(folder: Path, fails: int, monkeypatch) -> Path:
+    """The project's kernel name, found first on JUPYTER_PATH, as FLAKY_KERNEL; returns its STARTS file."""
+    from labkit.notebooks import KERNELSPEC
+
+    spec = folder / "kernels" / KERNELSPEC["name"]
+    spec.mkdir(parents=True)
+    (folder / "flaky_kernel.py").write_text(FLAKY_KERNEL)
+    starts = folder / "starts"
+    argv = [sys.executable, str(folder / "flaky_kernel.py"), str(starts), str(fails), "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({**KERNELSPEC, "argv": argv}))
+    monkeypatch.setenv("JUPYTER_PATH", str(folder))
+    return starts
+
+
+@pytest.mark.parametrize("fails, mode, status, starts, said", [
+    (1, "ok", "ok", 2, "the kernel did not start (try 1 of 2)"),
+    (2, "ok", "failed", 2, "Kernel died before replying to kernel_info"),
+    (0, "die", "failed", 1, "the kernel died in cell 1"),
+], ids=["a-failed-start-is-tried-again", "only-once", "a-kernel-dying-in-a-cell-is-not-restarted"])
+@pytest.mark.timeout(150)
+def test_a_kernel_that_dies_before_the_first_cell_is_replaced_once(tmp_path, monkeypatch, fails, mode, status,
+                                                                    starts, said):
+    started = install_flaky_kernel(tmp_path / "jupyter", fails, monkeypatch)
+    notebook = write_scratch_notebook(tmp_path / "99_scratch.ipynb")
+    result = run_notebook(notebook, tmp_path / "run", {"mode": mode}, timeout=120)
+    log = (tmp_path / "run" / f"{notebook.stem}.log").read_text()
+    assert result.status == status, result.error
+    assert len(started.read_text().splitlines()) == starts
+    assert said in result.error + log
+    if status == "ok":
+        assert json.loads((tmp_path / "run" / "where.json").read_text())["value"] == 1.0
 
 
 @pytest.mark.trial("R10s")
