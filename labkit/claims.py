@@ -111,7 +111,7 @@ def check(case_id: str, verdict: str, evidence: str, claim: str | None = None,
     `claim` defaults to the catalogue's wording. `evidence` must hold the numbers for `holds`,
     `does-not-hold` and `partly`, and the reason for `needs-gpu` and `untestable`.
     `device_dependent` marks a verdict that differs between a CPU and a GPU run (by default: a
-    GPU-only case, or a `needs-gpu` verdict); its cell carries `# NBVAL_IGNORE_OUTPUT`, and
+    GPU-only case, or a `needs-gpu` verdict); its cell carries the tag `nbval-ignore-output`, and
     `table()` names it without its verdict so the table reads the same on both.
     `recorded()` returns what was recorded.
     """

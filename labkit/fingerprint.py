@@ -52,8 +52,8 @@ def fingerprint() -> dict:
 def format_fingerprint(fp: dict) -> str:
     """A compact multi-line text of a `fingerprint()` dict, as `00_start_here` prints it.
 
-    The text differs from machine to machine, so a notebook prints it in a cell that starts with
-    ``# NBVAL_IGNORE_OUTPUT``.
+    The text differs from machine to machine, so a notebook prints it in a cell tagged
+    ``nbval-ignore-output``.
     """
     if not isinstance(fp, dict) or any(key not in fp for key in _FINGERPRINT_KEYS):
         raise LabkitError(

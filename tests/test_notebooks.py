@@ -22,6 +22,7 @@ from labkit import claims, notebooks, runner
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = notebooks.workbook_notebooks(ROOT / "notebooks")
 SKELETON_HEADINGS = ("Summary", "Claims checked", "Exercises")
+IGNORED = "nbval-ignore-output"  # the cell tag by which nbval skips comparing a cell's outputs
 
 
 def ids(paths):
@@ -44,6 +45,14 @@ def test_every_code_cell_was_executed_without_errors(notebook):
     errors = [o.get("ename") for c in code for o in c.outputs if o.output_type == "error"]
     assert not unexecuted, f"unexecuted code cells {unexecuted}: run `make notebooks NB={notebook.stem}`"
     assert not errors, f"stored error outputs: {errors}"
+
+
+def test_ignored_outputs_are_marked_by_a_tag_a_learner_does_not_read_in_the_code(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    commented = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                 and any(line.strip().lstrip("#").strip().startswith("NBVAL_") for line in c.source.splitlines())]
+    assert not commented, f"cells {commented} use an nbval comment marker: tag them {IGNORED!r} instead"
+    assert any(IGNORED in c.metadata.get("tags", []) for c in nb.cells), "the fingerprint cell is tagged"
 
 
 def test_stored_notebook_holds_no_volatile_metadata(notebook):
@@ -78,7 +87,7 @@ def test_compared_outputs_name_no_torch_version(notebook):
     # The GPU machine runs another torch release than the pin; nbval compares these outputs there too.
     version = re.escape(torch.__version__.split("+")[0])
     nb = nbformat.read(notebook, as_version=4)
-    compared = [c for c in nb.cells if c.cell_type == "code" and "NBVAL_IGNORE_OUTPUT" not in c.source]
+    compared = [c for c in nb.cells if c.cell_type == "code" and IGNORED not in c.metadata.get("tags", [])]
     texts = [json.dumps(o.get("data", o.get("text", ""))) for c in compared for o in c.outputs]
     naming = [text[max(0, m.start() - 60):m.end() + 20] for text in texts for m in re.finditer(version, text)]
     assert not naming, f"compared outputs name torch {torch.__version__}: {naming[:3]}"
@@ -100,7 +109,7 @@ def test_nbval_fails_when_stored_outputs_are_stale(tmp_path):
     assert control.returncode == 0, control.stdout[-2000:]
 
     nb = json.loads(source.read_text())
-    printing = next(c for c in nb["cells"] if c["cell_type"] == "code" and "NBVAL_IGNORE_OUTPUT" not in "".join(c["source"])
+    printing = next(c for c in nb["cells"] if c["cell_type"] == "code" and IGNORED not in c["metadata"].get("tags", [])
                     and any(o.get("output_type") == "stream" for o in c.get("outputs", [])))
     printing["source"] = "".join(printing["source"]) + "\nprint('a line the stored outputs do not have')"
     stale = tmp_path / "stale.ipynb"

@@ -261,8 +261,7 @@ def eager_and_compiled_step_times(blocks=8, size=1024, batch=512):
     return results
 
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     compile_results = eager_and_compiled_step_times()
     (eager_nodes, eager_time), (compiled_nodes, compiled_time) = compile_results["eager"], compile_results["compiled"]
@@ -392,8 +391,7 @@ print(f"ceil_mode=True:  {ink_outside(fixed_covered):.1%} of the ink lies outsid
 # the CUDA input gradient with the CPU's, bit for bit. On a CPU-only machine it does not run, and the
 # verdict below speaks for the CPU kernel only.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     cuda_pool_checks = []
     for batch_images, size in ((images, 8), (None, 255), (None, 1024)):
@@ -516,8 +514,7 @@ print(f"anomaly mode off: {plain_with_traceback} of {len(plain_op_nodes)} do")
 # same number of nodes pay the per-node cost. The times depend on the machine, so nbval ignores
 # this cell; the verdict comes from these ratios and is recorded here too.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def anomaly_slowdown(layer_width, batch):
     """Step time with anomaly mode on divided by step time with it off, and both Timings."""
     step, _, _ = make_training_step(layer_width, batch)
@@ -1362,12 +1359,12 @@ claims.check(
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

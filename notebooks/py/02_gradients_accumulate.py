@@ -621,8 +621,7 @@ variants = {
 # depend on the CPU's kernels, so this cell's output is not compared between machines; the summary
 # after it is.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for label, report in variants.items():
     print(f"{label}\n{report}\n")
 
@@ -744,8 +743,7 @@ for micro_rows, k in SPLITS:
 # utilisation with NVML (`UtilisationSampler`) and reads the [peak memory](GLOSSARY.md#peak-memory), on 64×64 images. On a CPU
 # it records `needs-gpu`. Its output differs between machines, so nbval ignores it.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def measure_split(micro_rows, k, image_size=64, busy_seconds=1.0):
     """Throughput, utilisation, peak memory and micro-batch forward+backward time of one split."""
     model = make_cnn().to(dev)
@@ -1309,12 +1307,12 @@ claims.check(
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

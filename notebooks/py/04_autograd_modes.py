@@ -171,8 +171,7 @@ for label, output in (("no_grad output", first_output), ("inference_mode output"
 # skips version-counter and view bookkeeping; for a model this small, expect a difference within
 # the timer's noise, not a reason to choose one mode over the other.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 model.eval()
 with torch.no_grad():
     no_grad_time = measure_time(lambda: model(images), device=dev)
@@ -662,8 +661,7 @@ class HandWrittenReLU(torch.autograd.Function):
         return grad_output * (x > 0)
 
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     import triton
     import triton.language as tl
@@ -752,8 +750,7 @@ if dev.type == "cuda":
         ),
     )
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 if dev.type != "cuda":
     claims.check(
         "N5",
@@ -897,12 +894,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

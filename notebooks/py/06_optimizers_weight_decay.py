@@ -382,8 +382,7 @@ print("\nAdam(weight_decay, decoupled_weight_decay=True) against AdamW:\n" + str
 # (`grad.add(param)` inside the optimizer, or autograd's derivative of `λ/2·θ²`), so the last bits
 # differ, by amounts that depend on the device; the table is left out of the stored comparison.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print("Adam(weight_decay) against Adam on loss + wd/2 * |params|^2:\n" + str(against_l2))
 
 # %%
@@ -604,8 +603,7 @@ hand_report = compare_grads(by_hand, torch_step, rtol=1e-12, atol=0)
 # The hand-written update and torch's agree to rounding; which last bits differ depends on the device,
 # so that table is left out of the stored comparison:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print("documented AdamW, by hand, against torch's step:\n" + str(hand_report))
 
 # %%
@@ -966,12 +964,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

@@ -461,8 +461,7 @@ class ArticleMonitor:
 guess = None  # your prediction: replace None
 
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def warmup_lr(step, capped):
     rate = lr * lr_growth**step
     return min(rate, lr_cap) if capped else rate
@@ -535,8 +534,7 @@ print(compare_guess(guess, diverged, what='the run diverges'))
 # monitor's first alert, every step, for the faulty run and its twin, with the monitor's threshold
 # (3x the mean of the last 5 logged stds). Red: the loss alarm; black: the first alert.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 if first_alert is not None:
     alert_param = first_alert[1]
     figure, axis = plt.subplots(figsize=(8, 3.5))
@@ -570,8 +568,7 @@ else:
 # holds a healthy run of the same schedule). The cell lists the signals in the order they fire, each
 # with its lead on the loss alarm, and draws both runs' ratios with the thresholds and the steps.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 TOO_FAST = 10 * GUIDE_RATIO  # ten times the rule of thumb
 ABOVE_PLATEAU = 1.5  # times the highest 10-step average the capped twin reaches
 
@@ -739,8 +736,7 @@ print(f"a logged (sampled) std missed the 3x jump in {sampled_misses} of {trials
 # a step that also logs; the monitor's cost per step is the check step's, plus the logging step's
 # extra time spread over `log_interval` steps. Timings depend on the machine, so nbval ignores this cell.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
 cost_model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)).to(dev)
 cost_optimizer = torch.optim.SGD(cost_model.parameters(), lr=1e-3)
@@ -776,8 +772,7 @@ for label, seconds in (("plain step", plain.median_s), ("with GradTracer", trace
 # comes at least 200 steps after that. The evidence carries the measured cost, so this cell's output
 # is a timing and is ignored by nbval.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 first_possible = (monitor.window - 1) * log_interval
 lead = None if first_warning is None or loss_step is None else loss_step - first_warning[0]
 if loss_step is None or loss_step - first_possible < 200:
@@ -1249,12 +1244,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

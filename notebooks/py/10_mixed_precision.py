@@ -270,8 +270,7 @@ claims.check(
 # scaler (`GradScaler(enabled=False)` turns every scaler call into a no-op); the fix scales.
 # fp16 kernels differ between a CPU and a GPU, so the numbers are not compared by nbval.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def lost_share(model, reference):
     lost = total = 0
     for param, ref in zip(model.parameters(), reference):
@@ -679,8 +678,7 @@ print(f"scaler.scale() of an fp16 loss returns {scaled_dtype}")
 # The same measurement with CUDA autocast, on the GPU runner (CUDA's autocast lists differ from the
 # CPU's, so the dtypes may too):
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     for name, (dtype, report) in autocast_backward_table("cuda").items():
         print(f"CUDA {name:<16} loss dtype {str(dtype):<14} gradients identical inside vs outside: {report.all_exact}")
@@ -1021,12 +1019,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

@@ -177,8 +177,7 @@ forward_agrees = torch.equal(relu_forms_times_w(points, ones), torch.relu(points
 # table shows what the installed torch does and nbval does not compare it; the lines after it are
 # the same under both.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(f"{'formulation':<26} {'eager at -1, 0, 1':>18} {'compiled at 0':>14}")
 for k, name in enumerate(RELU_FORMS):
     slopes = ", ".join(f"{v:g}" for v in eager_dx[k].tolist())
@@ -282,8 +281,7 @@ F.cross_entropy(reference_model(x0.double()), y0).backward()
 # each against the float64 reference. The last digits depend on the device's kernels, so nbval
 # ignores the tables; the lines after them do not.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 compiled_vs_eager = compare_grads(compiled_base, eager_model)
 compiled_vs_reference = compare_grads(compiled_base, reference_model, rtol=1e-4, atol=1e-6)
 eager_vs_reference = compare_grads(eager_model, reference_model, rtol=1e-4, atol=1e-6)
@@ -306,8 +304,7 @@ print("compiled is no further from float64 than 10x eager is:",
 # CPU there are no CUDA graphs, so it compiles exactly what the default mode does and skips that
 # step. torch's internal counters say which:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from torch._dynamo.utils import counters  # torch's own debugging counters
 
 print(f"backend={backend!r}, mode={compile_mode!r} on {dev.type}: "
@@ -345,8 +342,7 @@ for step in track(range(1, drift_steps + 1), "training eager, compiled and float
         drift["eager - float64"].append((eager_p - reference_p).abs().max().item())
         drift["compiled - float64"].append((compiled_p - reference_p).abs().max().item())
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 figure, ax = plt.subplots(figsize=(6.5, 3.6), layout="constrained")
 for label, values in drift.items():
     ax.semilogy(logged_steps, [max(v, 1e-12) for v in values], label=label)
@@ -440,8 +436,7 @@ OTHER_THAN_SELF = r"(?<!\bself)\._compiled\b|getattr\([^)]*[\"']_compiled[\"']"
 readers = [path for path, text in sources.items() if re.search(OTHER_THAN_SELF, text)]
 print(f"files reading `_compiled` from an object other than `self`: {readers or 'none'}")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 users = [path for path, text in sources.items() if re.search(ANY_USE, text)]
 print(f"{len(searched)} source files searched in torch {torch.__version__}; files using the name at all: {users or 'none'}")
 
@@ -601,8 +596,7 @@ for fn in (whole, split_columns):
 # float32 matmuls of width 2048, 4096 and 8192, whole and split into 2048-column chunks, timed with
 # `labkit.probes.measure_time` (CUDA events).
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     split_speedup = {}
     for width in (2048, 4096, 8192):
@@ -777,12 +771,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

@@ -126,8 +126,7 @@ print(claims.case("J1").claim)
 # are too noisy to show a step of a few per cent, so this runs on the GPU runner only; its output
 # depends on the machine, so nbval ignores it.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 def timing_mlp(width):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)).to(dev)
@@ -169,8 +168,7 @@ else:
 # **[Verdict](GLOSSARY.md#verdict).** On a GPU a collapse would show as a size whose throughput falls below half its
 # neighbour's; on a CPU the case needs the GPU runner.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     worst = min(off_sizes, key=off_sizes.get)
     claims.check(
@@ -233,8 +231,7 @@ batch_check = compare_grads({name: g[check_rows].mean(0) for name, g in per_samp
 # The table's last digits depend on the CPU's kernels, so nbval ignores it; the line after it
 # does not.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(batch_check)
 
 # %%
@@ -317,8 +314,7 @@ print("loss std rises at least 1.5x from batch 32 to 64:", loss_noise_rises)
 # article's batch sizes. NVML's utilisation is the share of time in which some kernel was running,
 # not the share of busy SMs, so it saturates long before the GPU does.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 def small_cnn():
     torch.manual_seed(seed)
     return nn.Sequential(
@@ -488,8 +484,7 @@ print(f"forwards: {len(rows_seen)}, rows in each: {sorted(set(rows_seen))}, rows
 # **Measure.** The data-parallel gradient against the single large batch (the full table's last
 # digits depend on the CPU, so nbval ignores it):
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(parallel_vs_single)
 
 # %%
@@ -669,8 +664,7 @@ print(f"median update:data ratio at batch {scheduler_batches[-1]} / at batch {sc
 # (J2), so training keeps improving. The GPU side of the claim, whether utilisation rises from 63%
 # to 89%, needs NVML. A CPU can measure what such a scheduler chases: throughput by batch size.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def mlp_step_rate(batch):
     model = make_mlp().float().to(dev)
     x = x_train[:batch].float().to(dev)
@@ -688,8 +682,7 @@ print(", ".join(f"batch {b}: {r:,.0f} samples/s" for b, r in rates.items()), f"(
 # utilisation is sampled over each window of steps and fed to the scheduler, against a run that
 # keeps the first size throughout.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 def utilisation_run(adaptive, windows=8, window_steps=20):
     """Batch size and mean NVML utilisation per window; None where NVML gives no reading."""
     model = small_cnn()
@@ -728,8 +721,7 @@ else:
 # %% [markdown]
 # **Verdict.**
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 cpu_facts = (
     f"in the article's loop a scheduled size above the loader batch still gives sub-batches of at most "
     f"{largest_effective} rows; doubling the batch {len(scheduler_batches) - 1} times with the learning rate fixed "
@@ -908,12 +900,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

@@ -112,8 +112,7 @@ print(memory.activation_table(cnn, cnn_input).against(exact))
 # The allocator's view comes from the CPU profiler and depends on the CPU's kernels, so nbval
 # ignores this cell; the comparison after it is stable.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 allocator_view = memory.live_bytes_after_forward(cnn, cnn_input)
 print(allocator_view)
 
@@ -241,8 +240,7 @@ plt.show()
 # what the step adds on top of them. Allocator events depend on the CPU's kernels, so nbval
 # ignores the printed numbers.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def timeline_of_one_step(model, x, y):
     optimizer = torch.optim.AdamW(model.parameters())
     held = []
@@ -290,8 +288,7 @@ print(f"after forward {alive_mib[forward_end]:.1f} MiB alive; peak {alive_mib[pe
 # tensor sees it. `kernel_workspace="measure"` runs each distinct convolution call once, alone, on
 # zero-filled tensors of its shapes, and adds what it held at that moment of the step.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 cnn_input = torch.randn(big_batch, 3, 32, 32)
 measured_peak = memory.measure_step_peak(small_cnn(), cnn_input)
 with_workspace = memory.estimate_step_peak(small_cnn(), cnn_input, kernel_workspace="measure")
@@ -387,8 +384,7 @@ for batch in vit_batches:
 # A measurement for one layer: a real ViT-Base encoder layer on the CPU at batch 1 (7 million
 # parameters, small enough to allocate), the allocator's count against the exact count.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 torch.manual_seed(seed)
 real_layer = nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, activation="gelu", batch_first=True,
                                         norm_first=True)
@@ -439,8 +435,7 @@ print(f"one layer at batch 1, saved for backward with its input: fused attention
 # On a GPU, the whole ViT-Base at batch 32 trains for two real steps and the CUDA allocator's peak is
 # read, next to the allocation-free estimate for CUDA:
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     torch.manual_seed(seed)
     vit_on_gpu = ViTBase().to(dev)
@@ -552,8 +547,7 @@ for precision, result in resnet_memory.items():
 # near to 80 GB that is. On a GPU the real ResNet-50 trains two steps at batch 96 and the CUDA allocator's
 # peak, workspaces included, is read:
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     torch.manual_seed(seed)
     resnet_on_gpu = resnet50().to(dev)
@@ -667,8 +661,7 @@ from labkit.predict import compare_guess
 
 print(compare_guess(guess, one_pass_saves, what='the bytes one validation pass saves'))
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 kept = []
 short_run = memory.peak_bytes_during(lambda: kept.append(train_and_validate(validation_steps, bug)))
 long_run = memory.peak_bytes_during(lambda: kept.append(train_and_validate(2 * validation_steps, bug)))
@@ -684,8 +677,7 @@ print(f"memory kept per step: {growth_per_step:,} B; exactly one validation pass
 # %% [markdown]
 # **The fix, proven**: the same measurement with `loss.item()` under `torch.no_grad()`.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 fixed_short = memory.peak_bytes_during(lambda: kept.append(train_and_validate(validation_steps, False)))
 fixed_long = memory.peak_bytes_during(lambda: kept.append(train_and_validate(2 * validation_steps, False)))
 fixed_growth = (int(fixed_long) - int(fixed_short)) // validation_steps
@@ -848,12 +840,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

@@ -227,8 +227,7 @@ print(compare_grads(altered, in_process))
 # several. The table depends on the machine, so nbval ignores its output; the
 # line after it prints only whether the difference stays at rounding level.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def cpu_gradients(threads):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
@@ -338,8 +337,7 @@ def samples_per_second(workers, prefetch_factor=None):
 # %% [markdown]
 # **Measure.** Throughput depends on this machine's cores and clock, so nbval ignores these cells.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 throughput = {workers: samples_per_second(workers) for workers in worker_counts}
 deeper_prefetch = samples_per_second(max(worker_counts), prefetch_factor=4)
 for workers, rate in throughput.items():
@@ -350,8 +348,7 @@ axis.plot(list(throughput), list(throughput.values()), marker="o")
 axis.set(xlabel="num_workers", ylabel="samples / s", title=f"{sleep_ms:g} ms per item")
 plt.show()
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 speedup = throughput[max(worker_counts)] / throughput[0]
 prefetch_gain = deeper_prefetch / throughput[max(worker_counts)]
 print(f"{max(worker_counts)} workers: {speedup:.1f}x the in-process rate; prefetch_factor=4: {prefetch_gain:.2f}x that")
@@ -377,8 +374,7 @@ claims.check(
 # feeds a model on the GPU with no workers and with the most workers, while
 # `labkit.probes.UtilisationSampler` reads NVML.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     gpu_model = nn.Sequential(*[nn.Linear(64 if i == 0 else 4096, 4096) for i in range(6)]).to(dev)
     for workers in (0, max(worker_counts)):
@@ -584,8 +580,7 @@ claims.check(
 # can overlap with compute when the batch sits in pinned (page-locked) host memory, which
 # `DataLoader(pin_memory=True)` provides, and the copy is `non_blocking=True`. On the GPU runner:
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     pinned_loader = DataLoader(TensorDataset(split.x_train[:64]), batch_size=16, pin_memory=True)
     (host_batch,) = next(iter(pinned_loader))
@@ -738,12 +733,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

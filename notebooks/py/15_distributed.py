@@ -193,8 +193,7 @@ mean_of_own = {name: sum(r["own"][name] for r in on_time) / world_size for name 
 # gradients, (b) one process's gradient on the whole global batch. The last bits differ from CPU
 # to CPU, so nbval ignores the tables; the next cell prints what holds everywhere.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 versus_mean = compare_grads(on_time[0]["ddp"], mean_of_own, rtol=1e-12, atol=1e-15)
 versus_whole = compare_grads(on_time[0]["ddp"], gradients(reference), rtol=1e-12, atol=1e-15)
 print("DDP gradient vs the mean of the ranks' own gradients:\n" + str(versus_mean))
@@ -556,8 +555,7 @@ for find_unused in (False, True):
 # With it, DDP marks the spare layer ready itself. On a model that uses every parameter, the flag
 # only adds the graph walk. Its cost, on this machine:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 TIMED_STEPS = 40
 
 
@@ -778,8 +776,7 @@ print(claims.case("O2").claim)
 # whether the two directions together reach 80% of the 600 GB/s. Anywhere else the verdict is
 # `needs-gpu`, with what would be measured.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 def topology():
     try:
         return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
@@ -831,8 +828,7 @@ if dev.type == "cuda":
 else:
     print("no CUDA device here")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 if peer_rates is not None:
     gpu_name = torch.cuda.get_device_name(0)
     both_ways = sum(peer_rates)
@@ -1060,12 +1056,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))

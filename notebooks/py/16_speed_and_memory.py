@@ -206,8 +206,7 @@ variants = {"no checkpointing": stack, "checkpointed ReLU": checkpoint_relu_pass
 # outside autograd's saved tensors: a copy of the [RNG state](GLOSSARY.md#random-generator-state) per call, so that dropout recomputes
 # the same mask.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 kept_after_forward = {name: int(memory.live_bytes_after_forward(model, ffn_input)) for name, model in variants.items()}
 print(kept_after_forward)
 
@@ -262,8 +261,7 @@ print(compare_guess(guess, flops["checkpointed blocks"] / plain_flops,
 # Wall-clock time of a training step, plain against checkpointed blocks, on this notebook's device
 # (machine-dependent, so ignored by nbval):
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def step_time(model):
     model = model.to(dev)
     x = ffn_input.to(dev)
@@ -385,8 +383,7 @@ for length, (fused, explicit) in attention_saved.items():
 # on that curve, not a constant. For a whole model the share also depends on everything else it
 # keeps. The speed claims need a GPU: forward and backward of both, in bfloat16, at 2,048 tokens.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 def attention_cost(module, x):
     def forward_backward():
         module.zero_grad(set_to_none=True)
@@ -407,8 +404,7 @@ if dev.type == "cuda":
 else:
     print("no CUDA device here: attention speed is measured on the GPU runner")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 cpu_memory = ", ".join(f"{1 - f / e:.0%} at {length}" for length, (f, e) in attention_saved.items())
 if dev.type == "cuda":
     claims.check(
@@ -463,8 +459,7 @@ arithmetic_holds = abs(bytes_moved / bandwidth - 0.6e-3) < 1e-9
 # and the weight gradients. That lower bound over the time gives a bandwidth to set against the
 # copy bandwidth measured on the same GPU and the datasheet's.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 def backward_time(model, images, benchmark):
     torch.backends.cudnn.benchmark = benchmark
     try:
@@ -494,8 +489,7 @@ if dev.type == "cuda":
 else:
     print("no CUDA device here: the backward's bandwidth and cudnn.benchmark are measured on the GPU runner")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     claims.check(
         "K3",
@@ -547,8 +541,7 @@ mentions_memory_cost = "more memory" in reduce_overhead and "CUDA" in reduce_ove
 # allocated and peak reserved memory, over the whole run (compilation and graph recording included)
 # and over three steady-state steps after the allocator's peak counters are reset.
 
-# %% jupyter={"outputs_hidden": true, "source_hidden": true}
-# NBVAL_IGNORE_OUTPUT
+# %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 ONE_MODE_SCRIPT = """
 import json, sys
 import torch
@@ -602,8 +595,7 @@ if dev.type == "cuda":
 else:
     print("no CUDA device here: CUDA graphs' memory is measured on a GPU")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     eager_peaks, graphs_peaks = compile_memory["eager"], compile_memory["reduce-overhead"]
     relative = {key: graphs_peaks[key] / eager_peaks[key] for key in eager_peaks}
@@ -681,8 +673,7 @@ print(f"estimated step peak: {int(step_memory[decays[0]]):,} B; every row the sa
 # `memory_summary` fails looking them up; on a GPU, the table after two AdamW steps at each weight
 # decay, and the peak each reached.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def summary_after_steps(weight_decay):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
@@ -939,12 +930,12 @@ grading.score()
 # %% [markdown]
 # ## About this run
 # The stored outputs were made on a CPU with the default parameters. A cell whose output depends on
-# the machine or the clock (timings, device names, addresses) starts with `# NBVAL_IGNORE_OUTPUT`:
+# the machine or the clock (timings, device names, addresses) carries the cell tag
+# `nbval-ignore-output` (JupyterLab shows a cell's tags in its property inspector):
 # the workbook's tests rerun every notebook and compare all other outputs with the stored ones. The
 # cell below says which machine, Python and torch produced this run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 from labkit.probes import fingerprint, format_fingerprint
 
 print(format_fingerprint(fingerprint()))
