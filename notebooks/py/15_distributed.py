@@ -21,7 +21,7 @@
 # (`loss.backward()`, `optimizer.step()`); processes and ranks by name.
 #
 # **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
-# 14 s on 2 CPU cores.
+# 20 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
 # [all-reduce](GLOSSARY.md#all-reduce), [rank and world size](GLOSSARY.md#rank-and-world-size),

@@ -54,6 +54,7 @@ import math
 import re
 import warnings
 
+import matplotlib.pyplot as plt
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from labkit import Reading, claims, compare_grads, datasets, grading, memory, repro
+from labkit import Reading, claims, compare_grads, datasets, figures, grading, memory, repro
 from labkit.predict import compare_guess
 from labkit.probes import ceiling, copy_bandwidth, fraction_of_ceiling, measure_time
 
@@ -252,6 +253,27 @@ for name in variants:
     print(f"{name:<20} {kept_after_forward[name] / plain_bytes:>18.2f}x {flops[name] / plain_flops:>6.2f}x  "
           f"{same_grads[name]}")
 
+# %% [markdown]
+# The same table as a picture: memory against compute, each as a multiple of the plain model
+# (the dashed line). A variant worth having has its memory bar well left of the line.
+
+# %%
+figure, ax = plt.subplots(figsize=(8, 2.8), layout="constrained")
+memory_ratios = [kept_after_forward[name] / plain_bytes for name in variants]
+flop_ratios = [flops[name] / plain_flops for name in variants]
+rows = range(len(variants))
+ax.barh([row - 0.2 for row in rows], memory_ratios, height=0.4, label="kept after forward")
+ax.barh([row + 0.2 for row in rows], flop_ratios, height=0.4, label="FLOPs of a training step")
+ax.axvline(1, color="black", linestyle="--", linewidth=1)
+ax.set(yticks=list(rows), yticklabels=list(variants), xlabel="× the plain model",
+       title=f"{ffn_blocks} feed-forward blocks, {ffn_rows} rows")
+ax.invert_yaxis()
+ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+figures.describe(figure, "Memory kept after forward and FLOPs per training step, as multiples of the plain model: "
+                 + "; ".join(f"{name} {mem:.2f}x memory, {flop:.2f}x FLOPs"
+                             for name, mem, flop in zip(variants, memory_ratios, flop_ratios)) + ".")
+plt.show()
+
 # %%
 print(compare_guess(guess, flops["checkpointed blocks"] / plain_flops,
                     what="the checkpointed step's FLOPs over the plain step's"))
@@ -324,8 +346,9 @@ claims.check(
 # %% [markdown]
 # **The fix, proven** above: checkpoint segments that hold many activations (a whole block), pass
 # the function and its inputs to `checkpoint`, and say `use_reentrant=False`. Checkpointing one
-# activation function saves nothing: the function's input must be kept to recompute it, and that
-# is as large as its output. One block's activations are recomputed at a time, so memory drops
+# activation function saves nothing, and here keeps more than the plain model (the figure's long
+# bar): the function's input must be kept to recompute it, and that is as large as its output, and
+# each call adds its copy of the RNG state. One block's activations are recomputed at a time, so memory drops
 # from all blocks' activations to their inputs plus one block's, for about one extra forward.
 # Each checkpoint call also keeps a copy of the RNG state (the table's last column), whatever the
 # block's size: when the activations are smaller than that (try `ffn_rows = 1`), checkpointing
