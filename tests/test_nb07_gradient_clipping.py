@@ -8,6 +8,7 @@ the claim's "norm clipping does not" fails (does-not-hold instead of partly). F3
 `clip_factor`: at 13x the clean median L1 clipping catches a spike that L2 clipping lets through, and
 still L1 is not ahead by 0.02, so F3 does not hold at either threshold (no setting tried made it hold)."""
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -42,12 +43,16 @@ def notebook_whose_clip_grad_norm_defaults_to_inf(folder: Path) -> Path:
 # Per-tensor clipping goes with the L2 default: with the inf-norm no tensor's largest |g| reaches 1.0, nothing is clipped.
 @pytest.mark.parametrize(("bug", "default_norm", "divergence_lr", "norm_per_tensor"),
                          [(True, "2", 0.5, True), (False, "inf", 0.1, False)])
+# F1's evidence says what clipping did at max_norm: the spike's L2 norm exceeds 1.0 and its inf-norm
+# does not; at max_norm 100 neither is clipped, which the second run checks.
 def test_clipping_before_unscale_stalls_training_only_with_the_bug(tmp_path, bug, default_norm, divergence_lr,
                                                                    norm_per_tensor):
     notebook = NOTEBOOK if default_norm == "2" else notebook_whose_clip_grad_norm_defaults_to_inf(tmp_path / "changed")
     clip_factor = 2.0 if bug else 13.0
+    max_norm = 1.0 if bug else 100.0
     result = run_on_cpu(notebook, tmp_path / "run", {**SMALL, "bug": bug, "divergence_lr": divergence_lr,
-                                                     "norm_per_tensor": norm_per_tensor, "clip_factor": clip_factor})
+                                                     "norm_per_tensor": norm_per_tensor, "clip_factor": clip_factor,
+                                                     "max_norm": max_norm})
     assert result.status == "ok", result.error
     assert {c["id"] for c in result.claims} == {"F1", "F2", "F3", "F4"}
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
@@ -56,6 +61,11 @@ def test_clipping_before_unscale_stalls_training_only_with_the_bug(tmp_path, bug
         assert verdicts["F1"] == "does-not-hold" and "norm_type=2.0" in evidence["F1"]
     else:
         assert verdicts["F1"] == "holds" and "norm_type=inf" in evidence["F1"]
+    if max_norm == 1.0:
+        assert re.search(r"L2 total is [\d.]+ \(scaled by 0\.\d+ at max_norm=1.0\).*inf-norm is [\d.]+ \(not clipped\)",
+                         evidence["F1"]), evidence["F1"]
+    else:
+        assert re.search(r"L2 total is [\d.]+ \(not clipped at max_norm=100.0\).*\(not clipped\)", evidence["F1"]), evidence["F1"]
     # Value clipping turns the spike gradient in both runs; whether norm clipping does decides F2.
     assert "value clipping rotated a spike gradient" in evidence["F2"]
     if norm_per_tensor:
