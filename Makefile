@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg -p no:cacheprovider
 # TEST_WORKERS=2 runs the unit tests in two processes (pytest-xdist), whole files each, the files with slow
 # tests first (tests/conftest.py); the default, 0, runs them in this process: on 2 cores two processes
-# saved under 10 % of the wall time (benchmarks/results/suite_cost.md), so CI stays sequential.
+# gained little (779 s against 836 s, benchmarks/results/suite_cost.md), so CI stays sequential.
 # Tests marked `serial` (14's DataLoader tests, which time out beside a second test process) run after the
 # others, alone, and so does nbval, whose notebook 14 starts the same workers.
 TEST_WORKERS ?= 0

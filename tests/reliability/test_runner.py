@@ -305,7 +305,7 @@ def test_a_timeout_must_be_positive_and_its_message_is_true(tmp_path, capsys):
         code, text = cli(["repro", str(notebook), "--timeout", timeout, "--out", str(tmp_path / "never")], capsys)
         assert code == 2 and f"--timeout must be a positive number of seconds, got {float(timeout)!r}" in text
     assert not (tmp_path / "never").exists()
-    result = run_notebook(notebook, tmp_path / "run", timeout=1)
+    result = run_notebook(notebook, tmp_path / "run", {"mode": "sleep"}, timeout=1)  # never ends by itself
     assert result.status == "failed" and "timed out after 1 s" in result.error
     kept = tmp_path / "run" / "99_scratch.ipynb"
     if kept.exists():
