@@ -10,9 +10,9 @@ running to the cell timeout.
 
 A kernel that dies or stalls before the first cell starts is replaced once by a fresh kernel
 (`KERNEL_START_TRIES`): jupyter_client picks the kernel's ports, closes them and hands them to the kernel
-to bind, so another process on the machine may take one in between (a known race of Jupyter kernels;
-seen here as "Kernel died before replying to kernel_info" once in six runs of the tests in two
-processes). Nothing of the notebook ran, so starting again loses nothing; once a cell has started, a
+to bind, so another process on the machine may take one in between (a known race of Jupyter kernels,
+the likely cause of the "Kernel died before replying to kernel_info" seen once in six runs of the
+tests in two processes; its log was not kept, so the cause is not proven). Nothing of the notebook ran, so starting again loses nothing; once a cell has started, a
 dead kernel is the notebook's failure and is never retried.
 """
 
