@@ -22,6 +22,7 @@ the naive monitor (issue #20).
     .venv/bin/python benchmarks/tracer_overhead.py                 # torch's default thread count
     .venv/bin/python benchmarks/tracer_overhead.py --threads 1 --optimizer sgd
     .venv/bin/python benchmarks/tracer_overhead.py --threads 1 --models mlp cnn transformer
+    .venv/bin/python benchmarks/tracer_overhead.py --threads 1 --models cnn --breakdown   # option by option
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ TRACED = {
     DEFAULT: {},
     FULL: {"full_every": 1, "activations": True, "update_ratio": True},
     "GradTracer full without activations, every step": {"full_every": 1, "update_ratio": True},
+}
+# --breakdown: one option (or pair) at a time, to see which part of full mode costs what
+BREAKDOWN = {
+    DEFAULT: {},
+    "full_every=1": {"full_every": 1},
+    "full_every=1, update_ratio": {"full_every": 1, "update_ratio": True},
+    "full_every=1, activations": {"full_every": 1, "activations": True},
+    "activations only": {"activations": True},
+    "update_ratio only": {"update_ratio": True},
 }
 
 
@@ -138,20 +148,23 @@ def train_step(variant: Variant, inputs: torch.Tensor, targets: torch.Tensor) ->
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run(model_name: str, rounds: int, steps_per_round: int, warmup_rounds: int, optimizer: str) -> list[Variant]:
+def run(
+    model_name: str, rounds: int, steps_per_round: int, warmup_rounds: int, optimizer: str,
+    traced: dict[str, dict] = TRACED,
+) -> list[Variant]:
     torch.manual_seed(0)
     build, _, shape = MODELS[model_name]
     reference = build()
     inputs, targets = torch.randn(shape), torch.randint(0, 10, (shape[0],))
     naive_records: list[dict] = []
     variants = []
-    for label in ("plain", *TRACED, NAIVE):
+    for label in ("plain", *traced, NAIVE):
         model = copy.deepcopy(reference)
         variants.append(Variant(label, model, make_optimizer(model, optimizer)))
     variants[-1].after_backward = naive_numpy_monitor(naive_records)
     with ExitStack() as stack:
         for variant in variants[1:-1]:
-            stack.enter_context(GradTracer(variant.model, variant.optimizer, **TRACED[variant.label]))
+            stack.enter_context(GradTracer(variant.model, variant.optimizer, **traced[variant.label]))
         for round_index in range(warmup_rounds + rounds):
             shift = round_index % len(variants)
             for variant in variants[shift:] + variants[:shift]:
@@ -163,7 +176,10 @@ def run(model_name: str, rounds: int, steps_per_round: int, warmup_rounds: int, 
     return variants
 
 
-def report(variants: list[Variant], model_name: str, optimizer: str, rounds: int, steps_per_round: int) -> str:
+def report(
+    variants: list[Variant], model_name: str, optimizer: str, rounds: int, steps_per_round: int,
+    verdicts: bool = True,
+) -> str:
     plain = variants[0]
     median_ratio = {
         (v.label, clock): statistics.median(
@@ -193,6 +209,8 @@ def report(variants: list[Variant], model_name: str, optimizer: str, rounds: int
             f"{median_ratio[v.label, 'wall']:.3f} | {median_ratio[v.label, 'cpu']:.3f} | "
             f"{mean_ratio[v.label]:.3f} |"
         )
+    if not verdicts:  # a breakdown's variants are parts of full mode, not the modes the targets name
+        return "\n".join(lines)
     lines.append("")
     for clock in ("wall", "cpu"):
         default, naive = (median_ratio[label, clock] for label in (DEFAULT, NAIVE))
@@ -234,13 +252,17 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=["mlp"])
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time full mode's options one at a time (no target verdicts)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(format_fingerprint(fingerprint()))
     for model_name in args.models:
-        variants = run(model_name, args.rounds, args.steps_per_round, args.warmup_rounds, args.optimizer)
+        traced = BREAKDOWN if args.breakdown else TRACED
+        variants = run(model_name, args.rounds, args.steps_per_round, args.warmup_rounds, args.optimizer, traced)
         print()
-        print(report(variants, model_name, args.optimizer, args.rounds, args.steps_per_round), flush=True)
+        table = report(variants, model_name, args.optimizer, args.rounds, args.steps_per_round, not args.breakdown)
+        print(table, flush=True)
 
 
 if __name__ == "__main__":
