@@ -43,7 +43,6 @@ __all__ = [
     "queue_backward_callback",
     "raw_saved_tensors",
     "rearm_post_accumulate_grad_hooks",
-    "segment_reduce",
     "tensor_identity",
     "tree_flatten",
     "tree_map_only",
@@ -71,9 +70,6 @@ foreach_copy_ = private("torch", "_foreach_copy_")
 foreach_sub = private("torch", "_foreach_sub")
 foreach_norm = private("torch", "_foreach_norm")
 foreach_sub_ = private("torch", "_foreach_sub_")
-# Reductions of consecutive segments of one tensor in one kernel (torch marks it beta, undocumented):
-# GradTracer reduces every small gradient of a full-statistics step with a few of these.
-segment_reduce = private("torch", "segment_reduce")
 
 # The autograd engine's backward pass (GradTracer tells a backward that finished from one that raised):
 # the id of the backward running on this thread (-1 outside one), and a callback run once that

@@ -29,16 +29,10 @@ def test_foreach_kernels_copy_subtract_and_norm_lists_of_tensors():
     assert [n.item() for n in compat.foreach_norm(deltas)] == pytest.approx([5.0, 2.0])
 
 
-def test_foreach_sub_in_place_and_segment_reduce_reduce_segments():
+def test_foreach_sub_in_place_subtracts_into_its_first_list():
     before, now = [torch.tensor([3.0, 4.0]), torch.tensor([2.0])], [torch.ones(2), torch.ones(1)]
     compat.foreach_sub_(before, now)
     assert [t.tolist() for t in before] == [[2.0, 3.0], [1.0]]
-    data = torch.tensor([1.0, -2.0, 5.0, 0.5, 3.0, -1.0])
-    lengths = torch.tensor([2, 3, 1])
-    assert compat.segment_reduce(data, "sum", lengths=lengths).tolist() == [-1.0, 8.5, -1.0]
-    assert compat.segment_reduce(data, "max", lengths=lengths).tolist() == [1.0, 5.0, -1.0]
-    columns = compat.segment_reduce(torch.stack((data, data.abs()), 1), "sum", lengths=lengths, axis=0)
-    assert columns.tolist() == [[-1.0, 3.0], [8.5, 8.5], [-1.0, 1.0]]
 
 
 def test_backward_callbacks_run_only_for_a_backward_that_finishes_and_task_ids_tell_backwards_apart():

@@ -95,7 +95,10 @@ def test_numeric_grad_stats_are_numeric_fields_of_a_history_record():
 # ------------------------------------------------------------------ statistics
 
 
-def test_full_step_statistics_equal_hand_computed_values():
+@pytest.mark.parametrize("exact_float_count", [2**24, 4], ids=["dot products", "integer count"])
+def test_full_step_statistics_equal_hand_computed_values(monkeypatch, exact_float_count):
+    # past _EXACT_FLOAT_COUNT values the non-zero count is an integer count, not a float dot product
+    monkeypatch.setattr(tracers.grad_tracer, "_EXACT_FLOAT_COUNT", exact_float_count)
     model = Weighted()
     with GradTracer(model, full_every=1, histogram_bins=4) as tracer:
         model(torch.tensor(GRAD_OF_WEIGHT)).backward()
@@ -144,6 +147,34 @@ def test_a_sampled_histogram_is_deterministic_for_a_seed_and_says_it_is_sampled(
         assert abs(sampled_count / 500 - exact_count / 5000) < 0.05
     figure = plot_grad_histograms([first])
     assert "sampled: 500 of 5,000 values" in figure.axes[0].get_title()
+
+
+def edge_values(low: float, high: float, bins: int) -> torch.Tensor:
+    """float32 values on histc's bin edges over [low, high] and one float step either side of each."""
+    edges = torch.linspace(low, high, bins + 1)
+    beside = [torch.nextafter(edges, torch.tensor(direction)) for direction in (math.inf, -math.inf)]
+    return torch.cat([edges, *beside]).clamp(edges[0], edges[-1])
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per tensor", "batched"])
+def test_histogram_counts_values_on_bin_edges_as_torch_histc_does(batched):
+    # In float64 arithmetic several of these values land in the neighbouring bin (checked when
+    # written: [5, 4, 0, 4, 3, 5] against histc's [4, 2, 3, 3, 4, 5]); in the values' own dtype,
+    # histc's, they do not.
+    values = edge_values(-1.488769769668579, 2.3046653270721436, 6)
+    model = Shapes() if batched else Weighted(values.numel())
+    with GradTracer(model, full_every=1, histogram_bins=6) as tracer:
+        assert (tracer._batched is not None) == batched
+        if batched:
+            coefficients = {name: torch.zeros(shape) for name, shape in Shapes.SHAPES.items()}
+            coefficients["long"][: values.numel()] = values
+            coefficients["long"][values.numel():] = values[0]  # the range's low end: bin 0
+        model(coefficients if batched else values).backward()
+        tracer.step()
+    record = next(r for r in tracer.history() if r["param"] in ("weight", "long"))
+    gradient = coefficients["long"] if batched else values
+    assert record["hist_sample"] == gradient.numel()
+    assert record["hist_counts"] == torch.histc(gradient, 6).long().tolist()
 
 
 def test_a_sampled_gradient_with_nonfinite_values_is_counted_exactly():
