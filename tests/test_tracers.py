@@ -578,6 +578,21 @@ def test_activation_statistics_match_the_outputs():
     assert tanh["std"] == pytest.approx(outputs.std().item())
 
 
+def test_relu_statistics_of_a_convolution_match_its_outputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU())
+    with torch.no_grad():
+        model[0].bias.copy_(torch.tensor([0.0, -100.0, 0.5, -100.0]))  # channels 1 and 3 never fire
+    with GradTracer(model, activations=True) as tracer:
+        outputs = model(torch.randn(3, 2, 6, 6))
+        outputs.sum().backward()
+        tracer.step()
+    relu = [r for r in tracer.activation_history() if r["kind"] == "ReLU"][0]
+    assert relu["dead"] == 0.5
+    assert relu["mean"] == pytest.approx(outputs.mean().item())
+    assert relu["std"] == pytest.approx(outputs.std().item())
+
+
 def test_update_ratio_is_the_step_size_over_the_weight_size():
     model = Weighted(2)
     with torch.no_grad():

@@ -1008,20 +1008,27 @@ def _activation_summary(
     As few ops as that: on small models the cost is per op, once per module per forward."""
     values = output if output.dtype in _REDUCED_AS_IS else output.float()
     flat = values.reshape(-1)
+    if isinstance(module, nn.ReLU):
+        return _relu_summary(values, flat, unit_dim)
     parts = [flat.sum(), torch.dot(flat, flat)]
     if isinstance(module, nn.Tanh):
         parts.append(((1 - values * values) < SATURATED_DERIVATIVE).sum().to(flat.dtype))
     elif isinstance(module, nn.Sigmoid):
         parts.append(((values * (1 - values)) < SATURATED_DERIVATIVE / 4).sum().to(flat.dtype))
-    alive = None
-    if isinstance(module, nn.ReLU):
-        if values.dim() >= 2:
-            # a unit fired when its largest output is > 0: one reduction, no transposed copy
-            others = [d for d in range(values.dim()) if d != unit_dim % values.dim()]
-            alive = values.amax(dim=others).gt(0)
-        else:
-            alive = values.new_ones(1, dtype=torch.bool)
-    return torch.stack(parts), alive
+    return torch.stack(parts), None
+
+
+def _relu_summary(
+    values: torch.Tensor, flat: torch.Tensor, unit_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_activation_summary` of a ReLU's output, which is never negative: a unit fired when its
+    sum is > 0, and the units' sums add up to the total, so one reduction gives both (a NaN sum
+    is not > 0, as a NaN maximum is not)."""
+    if values.dim() < 2:
+        return torch.stack([flat.sum(), torch.dot(flat, flat)]), values.new_ones(1, dtype=torch.bool)
+    others = [d for d in range(values.dim()) if d != unit_dim % values.dim()]
+    unit_sums = values.sum(dim=others)
+    return torch.stack([unit_sums.sum(), torch.dot(flat, flat)]), unit_sums.gt(0)
 
 
 def _with_update_ratios(rows: list[_GradRow], values: Iterator[float]) -> list[_GradRow]:
