@@ -177,6 +177,22 @@ def test_histogram_counts_values_on_bin_edges_as_torch_histc_does(batched):
     assert record["hist_counts"] == torch.histc(gradient, 6).long().tolist()
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["per tensor", "batched"])
+def test_a_finite_gradient_too_large_to_square_gets_its_histogram_without_overflow(batched):
+    # |g| of 1e37 overflows the float32 sum of squares and, times 32 bins, (g - low) * bins too:
+    # the histogram must still put each value in its bin (float64 arithmetic, as histc's there).
+    values = torch.tensor([-1e37, -3e36, 0.0, 2e36, 1e37])
+    model = Shapes() if batched else Weighted(values.numel())
+    coefficients = {name: torch.ones(shape) for name, shape in Shapes.SHAPES.items()}
+    coefficients["vector"] = values
+    with GradTracer(model, full_every=1) as tracer:
+        model(coefficients if batched else values).backward()
+        tracer.step()
+    record = next(r for r in tracer.history() if r["param"] in ("weight", "vector"))
+    assert (record["nonfinite"], record["norm"]) == (0, math.inf)
+    assert record["hist_counts"] == torch.histc(values.double(), 32).long().tolist()
+
+
 def test_a_sampled_gradient_with_nonfinite_values_is_counted_exactly():
     coefficients = torch.linspace(-1, 1, 3000)
     coefficients[::100] = math.nan

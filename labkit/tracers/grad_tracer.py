@@ -210,8 +210,8 @@ class GradTracer:
     ``histogram_sample=None`` counts them all, at ~7 ns a value). Together these read every gradient
     about four more times and write it once; gradients of at most 131,072 values (of one dtype and
     device) are copied into one buffer and reduced there together, the same numbers from a few ops
-    over the buffer and two sums per parameter rather than a dozen ops per parameter. ``activations=True`` adds forward hooks on the
-    model's leaf modules (`activation_history`); ``update_ratio=True`` (needs the optimizer)
+    over the buffer and two sums per parameter rather than a dozen ops per parameter.
+    ``activations=True`` adds forward hooks on the model's leaf modules (`activation_history`); ``update_ratio=True`` (needs the optimizer)
     records ``||p_after - p_before|| / ||p_before||`` per parameter, exactly, from one copy of the
     parameters kept across steps.
 
@@ -853,7 +853,10 @@ def _nonfinite_full_summary(flat: torch.Tensor, positions: torch.Tensor | None, 
     scalars, finite, clean = _scalars_with_nonfinite(flat)
     if positions is not None:
         clean, finite = clean.index_select(0, positions), finite.index_select(0, positions)
-    counts = _binned([clean], scalars[4:5], scalars[5:6], bins, keep=finite)
+    # Binned in float64: this path also takes finite gradients whose sum of squares overflowed,
+    # where (value - low) * bins can overflow float32 (a range of 1e37 times 32 bins) and every
+    # value would land in bin 0. Elsewhere |g| < 2**64, so the values' own dtype cannot overflow.
+    counts = _binned([clean.double()], scalars[4:5], scalars[5:6], bins, keep=finite)
     return torch.cat((scalars, counts.reshape(-1)))
 
 
@@ -968,7 +971,8 @@ class _Batched:
         # _BATCHED_NUMEL values, far below float32's 2**24): one op, not a compare and a cast
         nonzero = torch.stack([segment.sum() for segment in magnitudes.sign_().split(self.sizes)])
         low, high = torch.stack(self.extremes).unbind(1)
-        counts = _binned_rows(self.buffer.index_select(0, self.positions), self.rows, len(self.segments), low, high, bins)
+        sampled = self.buffer.index_select(0, self.positions)
+        counts = _binned_rows(sampled, self.rows, len(self.segments), low, high, bins)
         scalars = torch.stack((
             # max(-min, max) >= 0 always; abs() turns the -0.0 of an all-zero gradient into 0.0
             torch.zeros_like(low), self.numels - nonzero, abs_total, torch.maximum(-low, high).abs(),
