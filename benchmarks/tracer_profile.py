@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,16 +58,27 @@ def report(plain: dict[str, float], traced: dict[str, float], rows: int) -> str:
     return "\n".join(lines)
 
 
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum``, or an error that says so."""
+
+    def parse(text: str) -> int:
+        if not text.strip().lstrip("-").isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {minimum}")
+        return int(text)
+
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(MODELS), default="mlp")
-    parser.add_argument("--full-every", type=int, default=0)
+    parser.add_argument("--full-every", type=count(0), default=0)
     parser.add_argument("--activations", action="store_true")
     parser.add_argument("--update-ratio", action="store_true")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rows", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--warmup", type=count(0), default=5)
+    parser.add_argument("--steps", type=count(1), default=10)
+    parser.add_argument("--rows", type=count(1), default=15)
+    parser.add_argument("--threads", type=count(1), default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     options = {"full_every": args.full_every, "activations": args.activations, "update_ratio": args.update_ratio}
