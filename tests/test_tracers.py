@@ -95,10 +95,10 @@ def test_numeric_grad_stats_are_numeric_fields_of_a_history_record():
 # ------------------------------------------------------------------ statistics
 
 
-@pytest.mark.parametrize("exact_float_count", [2**24, 4], ids=["dot products", "integer count"])
-def test_full_step_statistics_equal_hand_computed_values(monkeypatch, exact_float_count):
-    # past _EXACT_FLOAT_COUNT values the non-zero count is an integer count, not a float dot product
-    monkeypatch.setattr(tracers.grad_tracer, "_EXACT_FLOAT_COUNT", exact_float_count)
+@pytest.mark.parametrize("chunk", [2**16, 2], ids=["one chunk", "chunks of 2"])
+def test_full_step_statistics_equal_hand_computed_values(monkeypatch, chunk):
+    # a large gradient's statistics are reduced chunk by chunk and combined: the same numbers
+    monkeypatch.setattr(tracers.grad_tracer, "_CHUNK", chunk)
     model = Weighted()
     with GradTracer(model, full_every=1, histogram_bins=4) as tracer:
         model(torch.tensor(GRAD_OF_WEIGHT)).backward()
@@ -619,6 +619,25 @@ def test_update_ratio_is_the_step_size_over_the_weight_size():
         optimizer.step()
     (record,) = tracer.history()
     assert record["update_ratio"] == pytest.approx(0.1 * 1.0 / 5.0)
+
+
+@pytest.mark.parametrize("chunk", [2**16, 4], ids=["whole tensors", "chunks of 4"])
+def test_update_ratio_of_every_parameter_matches_a_copy_taken_by_hand(monkeypatch, chunk):
+    # a CPU parameter larger than _CHUNK values is copied and differenced chunk by chunk
+    monkeypatch.setattr(tracers.grad_tracer, "_CHUNK", chunk)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    model.weight = nn.Parameter(torch.randn(3, 4).t())  # not contiguous: 12 values, 3 chunks of 4
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    expected = []
+    with GradTracer(model, optimizer, update_ratio=True) as tracer:
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(5, 3)).pow(2).sum().backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            expected += [((b - p).norm() / b.norm()).item() for b, p in zip(before, model.parameters())]
+    assert [r["update_ratio"] for r in tracer.history()] == pytest.approx(expected, rel=1e-5)
 
 
 # ------------------------------------------------------------------ plots

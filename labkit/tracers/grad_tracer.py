@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -316,8 +316,8 @@ class GradTracer:
         # that raises midway never counts (its callback never runs), and is dropped at step close.
         self._backwards: dict[int, dict[int, tuple]] = {}
         self._activation_modules: list[tuple[str, nn.Module]] = []
-        self._params_before: list[torch.Tensor] = []
-        self._norms_before: list[torch.Tensor] = []
+        self._params_before: _ParameterCopy | None = None
+        self._norms_before: torch.Tensor | None = None
         self._batched: _Batched | None = None
         self._reset_pending()
 
@@ -354,7 +354,7 @@ class GradTracer:
     def __exit__(self, *exc_info: object) -> None:
         if self._finalizer is not None:
             self._finalizer()
-        self._params_before = []
+        self._params_before = None
         self._batched = None
         self._scratch.clear()
         self._attached = False
@@ -417,7 +417,7 @@ class GradTracer:
         self._batched = self._build_batched()
         self._hook_parameters_needing_grad()
         if self._trace_updates:
-            self._params_before = [p.detach().clone() for p in params]
+            self._params_before = _ParameterCopy(params)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if self._parameters_replaced():
@@ -436,7 +436,7 @@ class GradTracer:
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._trace_updates:
-            self._params_before = [p.detach().clone() for p in self._params]
+            self._params_before = _ParameterCopy(self._params)
             pre_hook = _WeakHook(self._before_update)
             self._other_handles.append(optimizer.register_step_pre_hook(pre_hook))
         self._other_handles.append(optimizer.register_step_post_hook(_WeakHook(self._after_update)))
@@ -453,19 +453,22 @@ class GradTracer:
         if seen.is_sparse:
             seen = seen.to_dense()
         flat = _flat_for_reduction(seen)
-        summary = (torch.dot(flat, flat), flat.sum())
         if self._full_step and not (self._batched is not None and index in self._batched.slots):
-            summary = (*summary, *self._full_summary(index, flat))
+            summary = self._full_summary(index, flat)
+        else:
+            summary = (torch.dot(flat, flat), flat.sum())
         staged[index] = (grad, seen, summary)
         if task < 0:  # not inside the autograd engine's backward: nothing to wait for
             self._commit(staged)
 
     def _full_summary(self, index: int, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The sum of squares, the sum, the `_FULL_SCALARS` (with the histogram when it is exact)
+        and the histogram's sample (when it is not)."""
         if self._sample_size is None:
-            return (_exact_full_summary(flat, self._bins),)
+            return (torch.dot(flat, flat), flat.sum(), _exact_full_summary(flat, self._bins))
         positions = self._histogram_positions(index, flat)
         sample = flat.clone() if positions is None else flat.index_select(0, positions)
-        return (_fast_full_scalars(flat, self._scratch_for(flat)), sample)
+        return (*_fast_full_scalars(flat, self._scratch_for(flat)), sample)
 
     def _build_batched(self) -> _Batched | None:
         """The small gradients that full-statistics steps reduce together (the sampled histogram
@@ -503,12 +506,14 @@ class GradTracer:
         return self._sample_size
 
     def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
+        """A buffer for one chunk's signs (`_fast_full_scalars`), one per (dtype, device), reused
+        by every chunk of every gradient: on the CPU it stays in cache."""
         key = (flat.dtype, flat.device)
+        length = _chunk_length(flat)
         scratch = self._scratch.get(key)
-        if scratch is None or scratch.numel() < flat.numel():
-            longest = max(flat.numel(), *(p.numel() for p in self._params))
-            scratch = self._scratch[key] = torch.empty(longest, dtype=flat.dtype, device=flat.device)
-        return scratch[: flat.numel()]
+        if scratch is None or scratch.numel() < length:
+            scratch = self._scratch[key] = torch.empty(length, dtype=flat.dtype, device=flat.device)
+        return scratch[:length]
 
     def _begin_backward(self, task: int) -> dict[int, tuple]:
         # The first gradient of a backward pass; the step's gradients may have been thrown away
@@ -573,18 +578,12 @@ class GradTracer:
             pending[3] = pending[3] | alive
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        with torch.no_grad():  # the parameters themselves, no per-step detach() of each
-            foreach_copy_(self._params_before, self._params)
-        self._norms_before = foreach_norm(self._params_before)
+        self._norms_before = self._params_before.take(self._params)
 
     def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         update = None
         if self._trace_updates:
-            # In place, in the copy kept across steps: a fresh tensor for the difference would
-            # allocate (and page in) a second copy of the parameters every step.
-            with torch.no_grad():
-                foreach_sub_(self._params_before, self._params)
-            update = torch.stack([*foreach_norm(self._params_before), *self._norms_before])
+            update = torch.cat((self._params_before.difference_norms(self._params), self._norms_before))
         self._close_step(update)
 
     # ----------------------------------------------------------------- step boundary
@@ -825,27 +824,42 @@ def _exact_full_summary(flat: torch.Tensor, bins: int) -> torch.Tensor:
     return torch.cat((scalars, torch.histc(clean, bins).double()))
 
 
-# A float32 sum of ones is exact up to 2**24; past that the non-zero count is an integer count (slower).
-_EXACT_FLOAT_COUNT = 2**24
+# Full statistics read a large gradient four times (min and max, signs, two products). On the CPU
+# they run chunk by chunk: a chunk this size and its signs (512 KiB in float32) stay in a core's L2
+# cache between those reads, where the whole gradient is read back from L3 or memory each time.
+# A chunk's non-zero count, a float32 sum of at most 2**16 ones, is exact.
+_CHUNK = 2**17
 
 
-def _fast_full_scalars(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """The `_FULL_SCALARS`, exact, for a gradient assumed finite: step close checks that from the
-    sum of squares and takes a non-finite one again (`_nonfinite_full_summary`). Min and max
-    together (max |g| is max(-min, max)), then the signs of g into ``scratch``: sign(g) . g is
-    sum |g| and sign(g) . sign(g) the non-zero count, as two dot products: one pass that writes
-    (the signs), where |g| and then its signs, each written and summed, take two."""
-    low, high = torch.aminmax(flat)
-    signs = torch.sign(flat, out=scratch)
-    abs_total = torch.dot(signs, flat)
-    if flat.numel() > _EXACT_FLOAT_COUNT:  # a float32 sum of ones is no longer exact
-        nonzero = torch.count_nonzero(flat).double()
-    else:
-        nonzero = torch.dot(signs, signs)
-    return torch.stack(
+def _chunk_length(flat: torch.Tensor) -> int:
+    """How many values of ``flat`` `_fast_full_scalars` reduces at a time: `_CHUNK` on the CPU,
+    all of them elsewhere (on a GPU each op is a kernel launch, and a launch costs more than a
+    pass)."""
+    return min(flat.numel(), _CHUNK) if flat.device.type == "cpu" else flat.numel()
+
+
+def _fast_full_scalars(flat: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The sum of squares, the sum and the `_FULL_SCALARS`, exact, of a gradient assumed finite:
+    step close checks that from the sum of squares and takes a non-finite one again
+    (`_nonfinite_full_summary`). Per chunk (`_CHUNK`): g . g and sum g, min and max together
+    (max |g| is max(-min, max)), then the signs of g into ``scratch``: sign(g) . g is sum |g| and
+    sign(g) . sign(g) the non-zero count, as two dot products: one pass that writes (the signs),
+    where |g| and then its signs take two. The chunks' numbers are combined in float64."""
+    parts = []
+    for values in flat.split(scratch.numel()):
+        signs = scratch[: values.numel()]
+        total_sq, total = torch.dot(values, values), values.sum()
+        low, high = torch.aminmax(values)
+        torch.sign(values, out=signs)
+        parts.append(torch.stack((total_sq, total, low, high, torch.dot(signs, values), torch.dot(signs, signs))))
+    combined = torch.stack(parts).double()
+    total_sq, total, abs_total, nonzero = combined[:, [0, 1, 4, 5]].sum(0).unbind()
+    low, high = combined[:, 2].amin(), combined[:, 3].amax()
+    scalars = torch.stack(
         # max(-min, max) >= 0 always; abs() turns the -0.0 of an all-zero gradient into 0.0
         (low.new_zeros(()), flat.numel() - nonzero, abs_total, torch.maximum(-low, high).abs(), low, high)
-    ).double()
+    )
+    return total_sq, total, scalars
 
 
 def _nonfinite_full_summary(flat: torch.Tensor, positions: torch.Tensor | None, bins: int) -> torch.Tensor:
@@ -982,6 +996,49 @@ class _Batched:
         if len(present) < len(self.segments):
             block = block[torch.tensor([self.slots[k] for k in present], device=block.device)]
         return block.reshape(-1)
+
+
+class _ParameterCopy:
+    """The parameters as they were before an optimizer step, in buffers kept across steps (a
+    fresh copy would allocate, and page in, a second set of parameters every step), and the norms
+    the update:data ratio needs: ``take`` copies the parameters and returns their norms,
+    ``difference_norms`` the norms of (before - after), computed in place in the copy. Parameters
+    larger than `_CHUNK` values (float32/float64, on the CPU) go chunk by chunk, each chunk's norm
+    taken while it is still in cache; the others with one foreach op each."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.chunked = [k for k, p in enumerate(params)
+                        if p.device.type == "cpu" and p.numel() > _CHUNK and p.dtype in _REDUCED_AS_IS]  # fmt: skip
+        chunked = set(self.chunked)
+        self.whole = [k for k in range(len(params)) if k not in chunked]
+        self.copies = [
+            p.detach().new_empty(p.numel()) if k in chunked else p.detach().clone() for k, p in enumerate(params)
+        ]  # fmt: skip
+
+    def take(self, params: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():  # the parameters themselves, no per-step detach() of each
+            if self.whole:
+                foreach_copy_([self.copies[k] for k in self.whole], [params[k] for k in self.whole])
+            return self._norms(params, lambda copy, param: copy.copy_(param))
+
+    def difference_norms(self, params: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            if self.whole:
+                foreach_sub_([self.copies[k] for k in self.whole], [params[k] for k in self.whole])
+            return self._norms(params, lambda copy, param: copy.sub_(param))
+
+    def _norms(self, params: list[torch.Tensor], apply: Callable) -> torch.Tensor:
+        """Each parameter's norm of its copy after ``apply(copy, param)`` (already applied to the
+        unchunked ones), in parameter order, in float64."""
+        norms: list[torch.Tensor | None] = [None] * len(params)
+        if self.whole:
+            for k, norm in zip(self.whole, foreach_norm([self.copies[k] for k in self.whole])):
+                norms[k] = norm.double()
+        for k in self.chunked:
+            pieces = zip(self.copies[k].split(_CHUNK), params[k].reshape(-1).split(_CHUNK))
+            squares = [torch.dot(apply(copy, param), copy) for copy, param in pieces]
+            norms[k] = torch.stack(squares).double().sum().sqrt()
+        return torch.stack(norms)
 
 
 def _read_full_stats(values: Iterator[float], numel: int, bins: int, sample: int) -> _FullStats:
