@@ -92,6 +92,14 @@ def test_numeric_grad_stats_are_numeric_fields_of_a_history_record():
     assert not any(isinstance(record[stat], bool) for stat in NUMERIC_GRAD_STATS)
 
 
+def test_the_tracer_docstring_states_the_sizes_the_code_uses():
+    doc = " ".join(GradTracer.__doc__.split())
+    grad_tracer = tracers.grad_tracer
+    assert f"Gradients of at most {grad_tracer._BATCHED_NUMEL:,} values" in doc
+    assert f"reduced {grad_tracer._CHUNK:,} values at a time" in doc
+    assert f"default `HISTOGRAM_SAMPLE` = {grad_tracer.HISTOGRAM_SAMPLE:,}" in doc
+
+
 # ------------------------------------------------------------------ statistics
 
 

@@ -208,12 +208,15 @@ class GradTracer:
     many positions, drawn once per parameter from ``histogram_seed`` (the same seed gives the same
     histogram); ``hist_sample`` says how many values the counts come from (``numel`` when exact;
     ``histogram_sample=None`` counts them all, at ~7 ns a value). Together these read every gradient
-    about four more times and write it once; gradients of at most 131,072 values (of one dtype and
-    device) are copied into one buffer and reduced there together, the same numbers from a few ops
-    over the buffer and two sums per parameter rather than a dozen ops per parameter.
-    ``activations=True`` adds forward hooks on the model's leaf modules (`activation_history`); ``update_ratio=True`` (needs the optimizer)
-    records ``||p_after - p_before|| / ||p_before||`` per parameter, exactly, from one copy of the
-    parameters kept across steps.
+    about four more times and write its signs once. Gradients of at most 131,072 values (of one
+    dtype and device) are copied into one buffer and reduced there together, the same numbers from
+    a few ops over the buffer and two sums per parameter rather than a dozen ops per parameter;
+    a larger CPU gradient is reduced 131,072 values at a time, so that those reads find each
+    chunk in cache. ``activations=True`` adds forward hooks on the model's leaf modules
+    (`activation_history`); ``update_ratio=True`` (needs the optimizer) records
+    ``||p_after - p_before|| / ||p_before||`` per parameter, exactly, from one copy of the
+    parameters kept across steps (a large CPU parameter copied and differenced chunk by chunk,
+    each chunk's norm taken while it is in cache).
 
     Alerts (`alerts`): ``missing`` (a parameter that requires grad got none), ``nonfinite``,
     ``exploding`` (norm above ``explode_factor`` times the median of its last ``baseline_steps``
@@ -851,8 +854,8 @@ def _fast_full_scalars(flat: torch.Tensor, scratch: torch.Tensor) -> tuple[torch
         total_sq, total = torch.dot(values, values), values.sum()
         low, high = torch.aminmax(values)
         torch.sign(values, out=signs)
-        parts.append(torch.stack((total_sq, total, low, high, torch.dot(signs, values), torch.dot(signs, signs))))
-    combined = torch.stack(parts).double()
+        parts += (total_sq, total, low, high, torch.dot(signs, values), torch.dot(signs, signs))
+    combined = torch.stack(parts).double().view(-1, 6)  # one row per chunk
     total_sq, total, abs_total, nonzero = combined[:, [0, 1, 4, 5]].sum(0).unbind()
     low, high = combined[:, 2].amin(), combined[:, 3].amax()
     scalars = torch.stack(
@@ -1001,10 +1004,12 @@ class _Batched:
 class _ParameterCopy:
     """The parameters as they were before an optimizer step, in buffers kept across steps (a
     fresh copy would allocate, and page in, a second set of parameters every step), and the norms
-    the update:data ratio needs: ``take`` copies the parameters and returns their norms,
-    ``difference_norms`` the norms of (before - after), computed in place in the copy. Parameters
-    larger than `_CHUNK` values (float32/float64, on the CPU) go chunk by chunk, each chunk's norm
-    taken while it is still in cache; the others with one foreach op each."""
+    the update:data ratio needs, in float64: ``take`` copies the parameters and returns their
+    norms, ``difference_norms`` the norms of (before - after). Parameters larger than `_CHUNK`
+    values (float32/float64, on the CPU) go chunk by chunk, each chunk's norm taken while it is in
+    cache, their differences written to one chunk-sized buffer that stays there (not back into
+    the copy, which would write the whole copy to memory again); the others with foreach ops, their
+    differences in place in the copy."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.chunked = [k for k, p in enumerate(params)
@@ -1014,31 +1019,42 @@ class _ParameterCopy:
         self.copies = [
             p.detach().new_empty(p.numel()) if k in chunked else p.detach().clone() for k, p in enumerate(params)
         ]  # fmt: skip
+        self.differences = {params[k].dtype: params[k].new_empty(_CHUNK) for k in self.chunked}
 
     def take(self, params: list[torch.Tensor]) -> torch.Tensor:
+        norms = self._whole_norms(params, foreach_copy_)
         with torch.no_grad():  # the parameters themselves, no per-step detach() of each
-            if self.whole:
-                foreach_copy_([self.copies[k] for k in self.whole], [params[k] for k in self.whole])
-            return self._norms(params, lambda copy, param: copy.copy_(param))
+            for k in self.chunked:
+                squares = [torch.dot(copy.copy_(part), copy) for copy, part in self._pieces(k, params)]
+                norms[k] = torch.stack(squares).double().sum().sqrt()
+        return torch.stack(norms)
 
     def difference_norms(self, params: list[torch.Tensor]) -> torch.Tensor:
+        norms = self._whole_norms(params, foreach_sub_)
         with torch.no_grad():
-            if self.whole:
-                foreach_sub_([self.copies[k] for k in self.whole], [params[k] for k in self.whole])
-            return self._norms(params, lambda copy, param: copy.sub_(param))
+            for k in self.chunked:
+                difference = self.differences[params[k].dtype]
+                squares = []
+                for copy, part in self._pieces(k, params):
+                    change = torch.sub(copy, part, out=difference[: copy.numel()])
+                    squares.append(torch.dot(change, change))
+                norms[k] = torch.stack(squares).double().sum().sqrt()
+        return torch.stack(norms)
 
-    def _norms(self, params: list[torch.Tensor], apply: Callable) -> torch.Tensor:
-        """Each parameter's norm of its copy after ``apply(copy, param)`` (already applied to the
-        unchunked ones), in parameter order, in float64."""
+    def _whole_norms(self, params: list[torch.Tensor], foreach_op: Callable) -> list[torch.Tensor | None]:
+        """Per parameter, in order: the norm of the unchunked ones' copies after ``foreach_op(copies,
+        params)``; None for the chunked ones."""
         norms: list[torch.Tensor | None] = [None] * len(params)
         if self.whole:
-            for k, norm in zip(self.whole, foreach_norm([self.copies[k] for k in self.whole])):
+            copies = [self.copies[k] for k in self.whole]
+            with torch.no_grad():
+                foreach_op(copies, [params[k] for k in self.whole])
+            for k, norm in zip(self.whole, foreach_norm(copies)):
                 norms[k] = norm.double()
-        for k in self.chunked:
-            pieces = zip(self.copies[k].split(_CHUNK), params[k].reshape(-1).split(_CHUNK))
-            squares = [torch.dot(apply(copy, param), copy) for copy, param in pieces]
-            norms[k] = torch.stack(squares).double().sum().sqrt()
-        return torch.stack(norms)
+        return norms
+
+    def _pieces(self, k: int, params: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return zip(self.copies[k].split(_CHUNK), params[k].reshape(-1).split(_CHUNK))
 
 
 def _read_full_stats(values: Iterator[float], numel: int, bins: int, sample: int) -> _FullStats:
