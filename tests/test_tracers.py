@@ -629,6 +629,14 @@ def test_update_ratio_is_the_step_size_over_the_weight_size():
     assert record["update_ratio"] == pytest.approx(0.1 * 1.0 / 5.0)
 
 
+def test_a_gradient_is_never_reduced_in_chunks_too_long_for_an_exact_float32_count():
+    # the non-zero count is a float32 sum of ones per chunk: exact only up to 2**24
+    chunk_length = tracers.grad_tracer._chunk_length
+    assert chunk_length(torch.empty(2**25, device="meta")) == 2**24
+    assert chunk_length(torch.empty(1000, device="meta")) == 1000
+    assert chunk_length(torch.empty(2**20)) == tracers.grad_tracer._CHUNK
+
+
 @pytest.mark.parametrize("chunk", [2**16, 4], ids=["whole tensors", "chunks of 4"])
 def test_update_ratio_of_every_parameter_matches_a_copy_taken_by_hand(monkeypatch, chunk):
     # a CPU parameter larger than _CHUNK values is copied and differenced chunk by chunk

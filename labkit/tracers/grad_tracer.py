@@ -827,18 +827,21 @@ def _exact_full_summary(flat: torch.Tensor, bins: int) -> torch.Tensor:
     return torch.cat((scalars, torch.histc(clean, bins).double()))
 
 
-# Full statistics read a large gradient four times (min and max, signs, two products). On the CPU
-# they run chunk by chunk: a chunk this size and its signs (512 KiB in float32) stay in a core's L2
-# cache between those reads, where the whole gradient is read back from L3 or memory each time.
-# A chunk's non-zero count, a float32 sum of at most 2**16 ones, is exact.
+# Full statistics read a large gradient six times (g . g, sum, min and max, signs, two products).
+# On the CPU they run chunk by chunk: a chunk this size and its signs (1 MiB in float32) stay in a
+# core's L2 cache between those reads, where the whole gradient is read back from L3 or memory
+# each time.
 _CHUNK = 2**17
+# A chunk's non-zero count is a float32 sum of ones, exact up to this many.
+_EXACT_FLOAT_COUNT = 2**24
 
 
 def _chunk_length(flat: torch.Tensor) -> int:
-    """How many values of ``flat`` `_fast_full_scalars` reduces at a time: `_CHUNK` on the CPU,
-    all of them elsewhere (on a GPU each op is a kernel launch, and a launch costs more than a
-    pass)."""
-    return min(flat.numel(), _CHUNK) if flat.device.type == "cpu" else flat.numel()
+    """How many values of ``flat`` `_fast_full_scalars` reduces at a time: `_CHUNK` on the CPU;
+    elsewhere as many as a float32 count holds exactly (on a GPU each op is a kernel launch, which
+    costs more than a pass)."""
+    limit = _CHUNK if flat.device.type == "cpu" else _EXACT_FLOAT_COUNT
+    return min(flat.numel(), limit)
 
 
 def _fast_full_scalars(flat: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, ...]:
