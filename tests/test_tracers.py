@@ -629,6 +629,22 @@ def test_update_ratio_is_the_step_size_over_the_weight_size():
     assert record["update_ratio"] == pytest.approx(0.1 * 1.0 / 5.0)
 
 
+@pytest.mark.parametrize("chunk", [2**16, 4], ids=["one chunk", "chunks of 4"])
+def test_a_norm_is_the_same_on_full_and_plain_steps(monkeypatch, chunk):
+    monkeypatch.setattr(tracers.grad_tracer, "_CHUNK", chunk)
+    model = Weighted(10)
+    coefficients = torch.linspace(-1.0, 1.0, 10) * 1e-3 + 0.7
+    with GradTracer(model, full_every=2) as tracer:
+        for _ in range(2):  # the same gradient twice: a full step, then a plain one
+            model.weight.grad = None
+            model(coefficients).backward()
+            tracer.step()
+    full, plain = tracer.history()
+    assert full["max_abs"] is not None and plain["max_abs"] is None
+    assert (full["norm"], full["mean"], full["std"]) == (plain["norm"], plain["mean"], plain["std"])
+    assert full["norm"] == pytest.approx(coefficients.double().norm().item(), rel=1e-7)
+
+
 def test_a_gradient_is_never_reduced_in_chunks_too_long_for_an_exact_float32_count():
     # the non-zero count is a float32 sum of ones per chunk: exact only up to 2**24
     chunk_length = tracers.grad_tracer._chunk_length

@@ -459,7 +459,7 @@ class GradTracer:
         if self._full_step and not (self._batched is not None and index in self._batched.slots):
             summary = self._full_summary(index, flat)
         else:
-            summary = (torch.dot(flat, flat), flat.sum())
+            summary = _sums(flat)
         staged[index] = (grad, seen, summary)
         if task < 0:  # not inside the autograd engine's backward: nothing to wait for
             self._commit(staged)
@@ -468,7 +468,7 @@ class GradTracer:
         """The sum of squares, the sum, the `_FULL_SCALARS` (with the histogram when it is exact)
         and the histogram's sample (when it is not)."""
         if self._sample_size is None:
-            return (torch.dot(flat, flat), flat.sum(), _exact_full_summary(flat, self._bins))
+            return (*_sums(flat), _exact_full_summary(flat, self._bins))
         positions = self._histogram_positions(index, flat)
         sample = flat.clone() if positions is None else flat.index_select(0, positions)
         return (*_fast_full_scalars(flat, self._scratch_for(flat)), sample)
@@ -805,6 +805,20 @@ def _flat_for_reduction(grad: torch.Tensor) -> torch.Tensor:
     statistics are two reductions of it, ``dot(g, g)`` and ``sum(g)``, one pass each."""
     flat = grad.reshape(-1)
     return flat if flat.dtype in _REDUCED_AS_IS else flat.float()
+
+
+def _sums(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g . g`` and ``sum g``, the every-step statistics. A CPU gradient longer than `_CHUNK` is
+    reduced chunk by chunk, so that the sum finds each chunk in cache, the chunks' numbers combined
+    in float64, as `_fast_full_scalars` combines them: a step's norm is the same whether or not it
+    is a full-statistics step."""
+    if flat.numel() <= _chunk_length(flat):
+        return torch.dot(flat, flat), flat.sum()
+    parts = []
+    for values in flat.split(_chunk_length(flat)):
+        parts += (torch.dot(values, values), values.sum())
+    total_sq, total = torch.stack(parts).double().view(-1, 2).sum(0).unbind()
+    return total_sq, total
 
 
 def _scalars_with_nonfinite(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
