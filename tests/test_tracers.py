@@ -672,6 +672,26 @@ def test_update_ratio_of_every_parameter_matches_a_copy_taken_by_hand(monkeypatc
     assert [r["update_ratio"] for r in tracer.history()] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [2**16, 4], ids=["whole tensors", "chunks of 4"])
+def test_update_ratio_follows_parameters_converted_in_place(monkeypatch, chunk):
+    # model.double() keeps the Parameter objects and changes their dtype between two steps
+    monkeypatch.setattr(tracers.grad_tracer, "_CHUNK", chunk)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    with GradTracer(model, optimizer, update_ratio=True) as tracer:
+        for step in range(4):
+            if step == 2:
+                model.double()
+            optimizer.zero_grad()
+            model(torch.randn(5, 3, dtype=model.weight.dtype)).pow(2).sum().backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            expected += [((b - p).norm() / b.norm()).item() for b, p in zip(before, model.parameters())]
+    assert [r["update_ratio"] for r in tracer.history()] == pytest.approx(expected, rel=1e-6)
+
+
 # ------------------------------------------------------------------ plots
 
 

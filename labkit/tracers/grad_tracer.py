@@ -812,10 +812,11 @@ def _sums(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     reduced chunk by chunk, so that the sum finds each chunk in cache, the chunks' numbers combined
     in float64, as `_fast_full_scalars` combines them: a step's norm is the same whether or not it
     is a full-statistics step."""
-    if flat.numel() <= _chunk_length(flat):
+    chunk = _chunk_length(flat)
+    if flat.numel() == chunk:
         return torch.dot(flat, flat), flat.sum()
     parts = []
-    for values in flat.split(_chunk_length(flat)):
+    for values in flat.split(chunk):
         parts += (torch.dot(values, values), values.sum())
     total_sq, total = torch.stack(parts).double().view(-1, 2).sum(0).unbind()
     return total_sq, total
@@ -1029,6 +1030,10 @@ class _ParameterCopy:
     differences in place in the copy."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
+        self._build(params)
+
+    def _build(self, params: list[torch.Tensor]) -> None:
+        self.layout = _layout(params)
         self.chunked = [k for k, p in enumerate(params)
                         if p.device.type == "cpu" and p.numel() > _CHUNK and p.dtype in _REDUCED_AS_IS]  # fmt: skip
         chunked = set(self.chunked)
@@ -1039,6 +1044,10 @@ class _ParameterCopy:
         self.differences = {params[k].dtype: params[k].new_empty(_CHUNK) for k in self.chunked}
 
     def take(self, params: list[torch.Tensor]) -> torch.Tensor:
+        if _layout(params) != self.layout:
+            # converted in place since the last step (model.double() keeps the Parameter objects
+            # and changes their dtype): copies of the new kind, so the difference keeps its precision
+            self._build(params)
         norms = self._whole_norms(params, foreach_copy_)
         with torch.no_grad():  # the parameters themselves, no per-step detach() of each
             for k in self.chunked:
@@ -1072,6 +1081,10 @@ class _ParameterCopy:
 
     def _pieces(self, k: int, params: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return zip(self.copies[k].split(_CHUNK), params[k].reshape(-1).split(_CHUNK))
+
+
+def _layout(params: list[torch.Tensor]) -> list[tuple]:
+    return [(p.dtype, p.device, p.shape) for p in params]
 
 
 def _read_full_stats(values: Iterator[float], numel: int, bins: int, sample: int) -> _FullStats:
