@@ -1,11 +1,15 @@
 """04_autograd_modes under papermill with small, non-default parameters: the three planted gradient
 cuts (sample(), interpolation under no_grad, unpacked padding) show with bug=True and vanish with bug=False.
 N3's verdict follows its measurement: a no_grad resize in every forward cuts the position embedding
-out, one done once at build time (resize_once=True) makes a Parameter that trains."""
+out, one done once at build time (resize_once=True) makes a Parameter that trains. N5's Triton kernel,
+which only a GPU run executes, is checked on the CPU in Triton's interpreter wherever Triton is installed."""
 
+import textwrap
 from pathlib import Path
 
+import nbformat
 import pytest
+import torch
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "04_autograd_modes.ipynb"
@@ -29,3 +33,28 @@ def test_gradient_cuts_appear_only_with_the_bug(tmp_path, bug, resize_once, n3):
         assert metrics["actor_missing_steps"] == 0
         assert metrics["position_missing_steps"] == 0
         assert metrics["lstm_state_max_diff"] < 1e-9
+
+
+def n5_kernel_code() -> str:
+    """The code N5's GPU cell runs before it times anything (the Triton kernel, its autograd.Function
+    and its gradcheck), from the notebook itself, dedented out of its ``if dev.type == "cuda":``."""
+    cells = [cell.source for cell in nbformat.read(NOTEBOOK, as_version=4).cells if cell.cell_type == "code"]
+    hand_written = next(source for source in cells if source.startswith("class HandWrittenReLU"))
+    gpu_cell = next(source for source in cells if "relu_backward_kernel" in source)
+    body = gpu_cell.split('if dev.type == "cuda":\n', 1)[1].split("    def event_times_ms", 1)[0]
+    return hand_written + "\n" + textwrap.dedent(body)
+
+
+def test_the_n5_triton_kernel_gradchecks_and_matches_torch_relu_in_triton_s_interpreter(monkeypatch):
+    # The GPU branch never runs on CPU CI; Triton's interpreter runs the same kernel on CPU tensors
+    # wherever Triton is installed (it ships with CUDA builds of torch, so on the GPU runner).
+    pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    scope = {"torch": torch, "dev": torch.device("cpu"), "print": lambda *args: None}
+    exec(compile(n5_kernel_code(), "04_autograd_modes N5 GPU cell", "exec"), scope)
+    assert scope["kernel_gradcheck"] is True
+    x = torch.randn(3 * 1024 + 5, requires_grad=True)  # a last block only partly inside
+    upstream = torch.randn_like(x)
+    kernel = torch.autograd.grad(scope["KernelReLU"].apply(x), x, upstream)[0]
+    assert torch.equal(kernel, torch.autograd.grad(torch.relu(x), x, upstream)[0])
+    assert torch.equal(kernel, torch.autograd.grad(scope["HandWrittenReLU"].apply(x), x, upstream)[0])
