@@ -101,6 +101,17 @@ def nbval(path):
     )
 
 
+def test_no_cell_uses_a_name_it_never_defines():
+    # CPU CI never executes a notebook's GPU-only cells: a misspelt name there would first fail on a
+    # GPU runner. pyflakes' undefined-name check (ruff F821) reads every cell, run or not. The rest of
+    # the linter is left off: the py twins redefine each exercise's function on purpose.
+    twins = sorted((ROOT / "notebooks" / "py").glob("*.py"))
+    assert len(twins) == len(NOTEBOOKS)
+    found = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F821",
+                            "--output-format", "concise", *map(str, twins)], capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout + found.stderr
+
+
 def test_nbval_fails_when_stored_outputs_are_stale(tmp_path):
     """nbdev's discipline: change a notebook's code without re-executing it, and the check fails."""
     source = ROOT / "notebooks" / "00_start_here.ipynb"

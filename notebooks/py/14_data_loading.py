@@ -330,7 +330,7 @@ def samples_per_second(workers, prefetch_factor=None):
         loader = DataLoader(slow_set, batch_size=8, num_workers=workers, prefetch_factor=prefetch_factor,
                             persistent_workers=workers > 0, timeout=WAIT_S if workers else 0)
         timing = measure_time(lambda: sum(1 for _ in loader), warmup=1, min_run_time=0.2)
-    del loader  # stops the persistent workers now
+    loader = None  # the last reference: its persistent workers stop now
     return len(slow_set) / timing.median_s
 
 
