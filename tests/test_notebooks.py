@@ -101,13 +101,14 @@ def nbval(path):
     )
 
 
-def test_no_cell_uses_a_name_it_never_defines():
+def test_every_name_a_cell_uses_is_defined_and_every_import_is_used():
     # CPU CI never executes a notebook's GPU-only cells: a misspelt name there would first fail on a
-    # GPU runner. pyflakes' undefined-name check (ruff F821) reads every cell, run or not. The rest of
-    # the linter is left off: the py twins redefine each exercise's function on purpose.
+    # GPU runner. pyflakes reads every cell, run or not: undefined names (ruff F821) and imports
+    # nothing uses (F401, dead code). The rest of the linter is left off: the py twins redefine each
+    # exercise's function on purpose.
     twins = sorted((ROOT / "notebooks" / "py").glob("*.py"))
     assert len(twins) == len(NOTEBOOKS)
-    found = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F821",
+    found = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F821,F401",
                             "--output-format", "concise", *map(str, twins)], capture_output=True, text=True)
     assert found.returncode == 0, found.stdout + found.stderr
 

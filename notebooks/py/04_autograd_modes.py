@@ -47,7 +47,6 @@ except ModuleNotFoundError as missing:
 
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LABKIT], check=True)
 
-import math
 import warnings
 
 import matplotlib.pyplot as plt

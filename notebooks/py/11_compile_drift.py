@@ -42,7 +42,6 @@ except ModuleNotFoundError as missing:
 
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LABKIT], check=True)
 
-import math
 import re
 from pathlib import Path
 

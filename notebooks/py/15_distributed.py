@@ -68,7 +68,6 @@ from torch.profiler import ProfilerActivity, profile
 from labkit import claims, compare_grads, datasets, figures, grading, repro
 from labkit.distributed import RankFailure, run_ranks
 from labkit.parameters import ParameterError
-from labkit.probes import measure_time
 
 # %% [markdown]
 # ## Parameters
