@@ -422,6 +422,34 @@ def test_gpu_runner_skips_cleanly_without_cuda(tmp_path):
     assert wrong.returncode == 2 and "usage" in wrong.stderr
 
 
+# torch claims a CUDA device it lacks: the runner takes its CUDA path on a CPU machine
+FAKE_CUDA = "import torch\ntorch.cuda.is_available = lambda: True\n"
+
+
+@cpu_machine_only
+def test_gpu_runner_runs_and_reports_every_stage_where_torch_claims_cuda(tmp_path):
+    # The runner's CUDA path, dry: with no device behind the claim every stage fails quickly, and each
+    # must still run, in order, within its limit, and be reported; a GPU session is too short to debug
+    # the runner in.
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "sitecustomize.py").write_text(FAKE_CUDA)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "GPU_RUNNER_PYTHON": sys.executable, "TMPDIR": str(tmp_path),
+           "PYTHONPATH": str(tmp_path / "fake"), "NOTEBOOKS": "00"}
+    result = subprocess.run(["bash", ".ci/gpu-runner"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = (out / "gpu_runner.md").read_text()
+    table = report.split("| --- | --- | --- |\n", 1)[1].split("\n\n", 1)[0]
+    rows = [row.strip("| ").split(" | ") for row in table.splitlines()]
+    assert [row[0] for row in rows] == ["fingerprint", "GPU-marked tests (pytest -m gpu)",
+                                        "probe benchmark (benchmarks/probes.py)", "nbval 00_start_here.ipynb"]
+    assert all(exit_code == "1" for _, exit_code, _ in rows), rows
+    assert "failed" in rows[1][2] and "failed" in rows[3][2], rows
+    assert "(not written: see fingerprint.log)" in report
+    assert "Torch not compiled with CUDA enabled" in (out / "fingerprint.log").read_text()
+
+
 # ------------------------------------------------------------------------------------------ on a GPU
 
 
