@@ -9,7 +9,6 @@ checked by AST in tests/test_public_api.py.
 
 import ast
 import copy
-import importlib
 import json
 import re
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from torch_names import held_scripts, missing_torch_attributes
 
 from labkit import claims, notebooks, runner
 
@@ -105,12 +105,6 @@ def nbval(path):
     )
 
 
-def held_scripts(tree: ast.Module) -> list[str]:
-    """The Python scripts a notebook holds as strings, to run in a process of their own."""
-    return [node.value for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import torch" in node.value]  # fmt: skip
-
-
 def test_every_name_a_cell_uses_is_defined_and_every_import_is_used(tmp_path):
     # CPU CI never executes a notebook's GPU-only cells: a misspelt name there would first fail on a
     # GPU runner. pyflakes reads every cell, run or not, and the scripts cells hold as strings to run
@@ -128,58 +122,13 @@ def test_every_name_a_cell_uses_is_defined_and_every_import_is_used(tmp_path):
     assert found.returncode == 0, found.stdout + found.stderr
 
 
-def torch_aliases(tree: ast.Module) -> dict[str, str]:
-    """The names a script's imports bind to torch modules and objects: ``F`` -> torch.nn.functional."""
-    aliases = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            aliases |= {a.asname or "torch": a.name if a.asname else "torch"
-                        for a in node.names if a.name.split(".")[0] == "torch"}  # fmt: skip
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
-            aliases |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
-    return aliases
-
-
-def torch_attribute_paths(tree: ast.Module) -> list[tuple[int, str]]:
-    """Every dotted attribute chain rooted at a torch import, as (line, full dotted path)."""
-    aliases, inner, found = torch_aliases(tree), set(), []
-    for node in ast.walk(tree):  # breadth first: a chain's outermost attribute comes before its inner ones
-        if isinstance(node, ast.Attribute) and id(node) not in inner:
-            parts, value = [node.attr], node.value
-            while isinstance(value, ast.Attribute):
-                inner.add(id(value))
-                parts.append(value.attr)
-                value = value.value
-            if isinstance(value, ast.Name) and value.id in aliases:
-                found.append((node.lineno, ".".join([aliases[value.id], *reversed(parts)])))
-    return found
-
-
-def resolve(dotted: str) -> object:
-    """The object a dotted path names, importing submodules on the way (torch.distributed.nn is one)."""
-    parts = dotted.split(".")
-    found = importlib.import_module(parts[0])
-    for depth, part in enumerate(parts[1:], start=2):
-        try:
-            found = getattr(found, part)
-        except AttributeError:
-            found = importlib.import_module(".".join(parts[:depth]))
-    return found
-
-
 def test_every_torch_attribute_a_cell_names_exists_in_this_torch(notebook):
     # The same blind spot as undefined names: torch.cuda.max_memory_reserved misspelt in a GPU-only cell,
-    # or in a script a cell runs in a fresh process, would pass CPU CI. CPU builds of torch define the
-    # CUDA API too (its functions raise when called). Lines count from the start of their script.
+    # or in a script a cell runs in a fresh process, would pass CPU CI. Lines count from the start of
+    # their script.
     twin = ROOT / "notebooks" / "py" / f"{notebook.stem}.py"
-    missing = []
     tree = ast.parse(twin.read_text())
-    for line, dotted in [path for script in [tree, *map(ast.parse, held_scripts(tree))]
-                         for path in torch_attribute_paths(script)]:  # fmt: skip
-        try:
-            resolve(dotted)
-        except (AttributeError, ImportError) as error:
-            missing.append(f"{twin.name}:{line}: {dotted} ({error})")
+    missing = missing_torch_attributes(twin.name, [tree, *map(ast.parse, held_scripts(tree))])
     assert missing == [], "\n".join(missing)
 
 

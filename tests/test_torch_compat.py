@@ -2,6 +2,7 @@
 
 A failure here names the entry and the torch version: that is where an upgrade broke labkit."""
 
+import ast
 import logging
 import os
 import re
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch_names import missing_torch_attributes
 
 from labkit import _torch_compat as compat
 
@@ -290,3 +292,12 @@ def test_deterministic_mode_sets_an_imported_inductor_and_the_eager_flags_as_tor
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         inductor_config.deterministic = before[2]
+
+
+def test_every_torch_attribute_labkit_names_exists_in_this_torch():
+    # Public names too, read statically: labkit's GPU branches (CUDA events, memory statistics) never
+    # run on CPU CI, so a name an upgrade removed, or a misspelt one, would first fail on a GPU.
+    root = Path(__file__).resolve().parents[1]
+    missing = [entry for source in sorted((root / "labkit").rglob("*.py"))
+               for entry in missing_torch_attributes(str(source.relative_to(root)), [ast.parse(source.read_text())])]  # fmt: skip
+    assert missing == [], "\n".join(missing)
