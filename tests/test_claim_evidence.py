@@ -2,7 +2,9 @@
 names a torch version (the GPU runner's torch is older than the pin, and a version in evidence
 goes stale with every upgrade; the fingerprint records the version instead).
 
-The records are read as `python -m labkit claims --json` prints them, from the stored notebooks.
+The records are read as `python -m labkit claims --json` prints them, from the stored notebooks; the
+`claims.check` calls themselves are read from the py twins: evidence numbers formatted, not typed in, and
+each case device-dependent in all of its branches or in none, so a GPU run prints the same claims table.
 Whether a verdict can come out both ways is tested per notebook, under papermill, in
 tests/test_nbNN_*.py.
 """
@@ -138,17 +140,26 @@ def literal_numbers(expression):
     return [number for child in ast.iter_child_nodes(expression) for number in literal_numbers(child)]
 
 
+def claim_checks(path):
+    """The ``claims.check("ID", ...)`` calls of a py twin whose case id is written out (one computed at
+    run time cannot be followed statically; ``grading.check`` is an exercise's, not a verdict)."""
+    return [node for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "check"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "claims"
+            and node.args and isinstance(node.args[0], ast.Constant)]  # fmt: skip
+
+
+TWINS = sorted((ROOT / "notebooks" / "py").glob("*.py"))
+
+
 def typed_numbers_in_evidence():
     """(case, number) for each number in the literal text of a claims.check evidence in the py twins."""
     found = []
-    for path in sorted((ROOT / "notebooks" / "py").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "check"):
-                continue
+    for path in TWINS:
+        for node in claim_checks(path):
             evidence = next((k.value for k in node.keywords if k.arg == "evidence"), None)
-            if evidence is None or not node.args or not isinstance(node.args[0], ast.Constant):
-                continue
-            found += [(node.args[0].value, number) for number in literal_numbers(evidence)]
+            if evidence is not None:
+                found += [(node.args[0].value, number) for number in literal_numbers(evidence)]
     return found
 
 
@@ -167,3 +178,27 @@ def test_the_typed_number_scan_sees_literal_text_and_not_formatted_values():
     source = 'claims.check("Z1", verdict="holds", evidence=f"grew {growth:>6.0f}x in 12 steps, " + "lost 3.5%")'
     evidence = ast.parse(source).body[0].value.keywords[1].value
     assert literal_numbers(evidence) == ["12", "3.5%"]
+
+
+def device_dependence(call):
+    """Whether a ``claims.check`` call marks its verdict device-dependent, as `claims.check` decides it:
+    the argument, else the catalogue's gpu_only or a literal needs-gpu verdict; "unknown" when that
+    rests on a verdict computed at run time."""
+    given = {keyword.arg: keyword.value for keyword in call.keywords}
+    if isinstance(given.get("device_dependent"), ast.Constant):
+        return given["device_dependent"].value
+    if claims.case(call.args[0].value).gpu_only:
+        return True
+    verdict = given.get("verdict")
+    return verdict.value == "needs-gpu" if isinstance(verdict, ast.Constant) else "unknown"
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=[path.stem for path in TWINS])
+def test_a_case_is_device_dependent_in_all_of_its_branches_or_in_none(twin):
+    # The GPU runner compares the same stored outputs: a case that is device-dependent (named without
+    # its verdict in the claims table) on one device and not on the other changes the table.
+    marks = {}
+    for call in claim_checks(twin):
+        marks.setdefault(call.args[0].value, {})[call.lineno] = device_dependence(call)
+    mixed = {case_id: by_line for case_id, by_line in marks.items() if len(set(by_line.values())) > 1}
+    assert mixed == {}, f"pass the same device_dependent= in every claims.check of a case (by line): {mixed}"

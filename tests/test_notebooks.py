@@ -1,6 +1,6 @@
 """The committed notebooks: in sync with their scripts, executed, normalised, following the skeleton,
-free of undefined names, unused imports and torch attributes this torch lacks, also in the GPU-only
-cells CPU CI never runs, and with each case device-dependent in all of its branches or in none.
+and free of undefined names, unused imports and torch attributes this torch lacks, also in the
+GPU-only cells CPU CI never runs.
 
 nbval (run by `make test` after the unit tests) checks that each notebook's stored outputs still
 match what its code prints; the tests here check everything nbval does not. That notebooks use only labkit's public API is
@@ -128,36 +128,9 @@ def test_every_torch_attribute_a_cell_names_exists_in_this_torch(notebook):
     # their script.
     twin = ROOT / "notebooks" / "py" / f"{notebook.stem}.py"
     tree = ast.parse(twin.read_text())
-    missing = missing_torch_attributes(twin.name, [tree, *map(ast.parse, held_scripts(tree))])
+    held = [ast.parse(script, f"{twin.name}, held script {number}") for number, script in enumerate(held_scripts(tree))]
+    missing = missing_torch_attributes(twin.name, [tree, *held])
     assert missing == [], "\n".join(missing)
-
-
-def device_dependence(call: ast.Call) -> bool | str:
-    """Whether a ``claims.check`` call marks its verdict device-dependent, as `claims.check` decides it:
-    the argument, else the catalogue's gpu_only or a literal needs-gpu verdict; "unknown" when that
-    rests on a verdict computed at run time."""
-    given = {keyword.arg: keyword.value for keyword in call.keywords}
-    if isinstance(given.get("device_dependent"), ast.Constant):
-        return given["device_dependent"].value
-    if claims.case(call.args[0].value).gpu_only:
-        return True
-    verdict = given.get("verdict")
-    return verdict.value == "needs-gpu" if isinstance(verdict, ast.Constant) else "unknown"
-
-
-def test_a_case_is_device_dependent_in_all_of_its_branches_or_in_none(notebook):
-    # The GPU runner compares the same stored outputs: a case that is device-dependent (named without
-    # its verdict in the claims table) on one device and not on the other changes the table.
-    tree = ast.parse((ROOT / "notebooks" / "py" / f"{notebook.stem}.py").read_text())
-    # every claims.check("ID", ...); a case id computed at run time cannot be followed here
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-             and node.func.attr == "check" and isinstance(node.func.value, ast.Name) and node.func.value.id == "claims"
-             and node.args and isinstance(node.args[0], ast.Constant)]  # fmt: skip
-    marks: dict[str, dict[int, bool | str]] = {}
-    for call in calls:
-        marks.setdefault(call.args[0].value, {})[call.lineno] = device_dependence(call)
-    mixed = {case_id: by_line for case_id, by_line in marks.items() if len(by_line) > 1 and len(set(by_line.values())) > 1}
-    assert mixed == {}, f"pass the same device_dependent= in every claims.check of a case (by line): {mixed}"
 
 
 def test_nbval_fails_when_stored_outputs_are_stale(tmp_path):

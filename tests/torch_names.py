@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
+
+SCRIPT = re.compile(r"^import torch\b", re.MULTILINE)
 
 
 def held_scripts(tree: ast.Module) -> list[str]:
-    """The Python scripts a notebook holds as strings, to run in a process of their own."""
+    """The Python scripts a notebook holds as strings, to run in a process of their own: strings with
+    a line that starts ``import torch`` (a sentence that mentions it is no script)."""
     return [node.value for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import torch" in node.value]  # fmt: skip
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and SCRIPT.search(node.value)]  # fmt: skip
 
 
 def torch_aliases(tree: ast.Module) -> dict[str, str]:
