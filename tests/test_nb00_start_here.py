@@ -8,6 +8,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "00_start_here.ipynb"
+pytestmark = pytest.mark.lock_only
 
 
 @pytest.mark.parametrize(("bug", "clear_between", "z1"), [(True, False, "holds"), (False, True, "does-not-hold")])

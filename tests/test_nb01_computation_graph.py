@@ -10,6 +10,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_computation_graph.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 1, "hidden": 16, "steps": 6, "depth": 6, "width": 16, "timing_seconds": 0.05}
 # A2 needs a GPU and A4 is a timing, so their verdicts depend on the machine.
 MACHINE_INDEPENDENT = {

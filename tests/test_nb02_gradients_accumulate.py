@@ -13,6 +13,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_gradients_accumulate.ipynb"
+pytestmark = pytest.mark.lock_only
 # Smaller and differently seeded than the defaults, so the verdicts are shown not to hang on one setting.
 PARAMETERS = {"seed": 1, "steps": 30, "hidden": 24}
 VERDICTS = {

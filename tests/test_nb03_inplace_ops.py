@@ -8,6 +8,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_inplace_ops.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 1, "norm_width": 3, "norm_steps": 8, "triplet_steps": 10}
 
 

@@ -16,6 +16,7 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "04_autograd_mode
 SMALL = {"seed": 2, "actor_steps": 6, "vit_steps": 5, "batch": 16}
 
 
+@pytest.mark.lock_only
 @pytest.mark.parametrize(("bug", "resize_once", "n3"), [(True, False, "holds"), (False, True, "does-not-hold")])
 def test_gradient_cuts_appear_only_with_the_bug(tmp_path, bug, resize_once, n3):
     result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": bug, "resize_once": resize_once})

@@ -10,6 +10,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_batchnorm_finetuning.ipynb"
+pytestmark = pytest.mark.lock_only
 # Small, non-default settings: one seed, batch size 2 (where train mode hurts most), shorter runs.
 PARAMETERS = {"seed": 1, "seeds": 1, "batch_size": 2, "pretrain_steps": 200, "finetune_steps": 150}
 

@@ -14,6 +14,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "06_optimizers_weight_decay.ipynb"
+pytestmark = pytest.mark.lock_only
 # Small, non-default settings: fewer steps, one seed, a shorter schedule run, another decay value.
 PARAMETERS = {"seed": 2, "steps": 200, "weight_decay": 0.05, "seeds": 1}
 

@@ -16,6 +16,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_gradient_clipping.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 1, "steps": 60, "cnn_steps": 20, "seeds": 1}
 TORCH_IMPORT = "from torch.nn.utils import clip_grad_norm_, clip_grad_value_"
 # The article's torch: clip_grad_norm_ with norm_type=inf as its default. No release has it, so the notebook is changed.

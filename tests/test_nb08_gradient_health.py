@@ -7,6 +7,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "08_gradient_health.ipynb"
+pytestmark = pytest.mark.lock_only
 # Long enough for the loss alarm (step 461 at seed 0) and the tracer's first exploding alert (523).
 SMALL = {"seed": 0, "steps": 560, "micro_batches": 2, "timing_seconds": 0.05}
 

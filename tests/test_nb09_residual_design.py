@@ -10,6 +10,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "09_residual_design.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 1, "depths": [4, 8], "seeds": 1, "train_depths": [4], "train_steps": 10, "train_seeds": 1}
 PRE_ACTIVATION_DEFAULT = "def __init__(self, block_width, relu_after_add=False):"
 IDENTITY_DEFAULT = "def identity_only(design, depth, relu_after_add=False):"

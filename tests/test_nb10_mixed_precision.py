@@ -8,6 +8,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "10_mixed_precision.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 1, "pretrain_steps": 80, "amp_steps": 3, "scaler_steps": 500}
 FIXED = {"G1": "does-not-hold", "G5": "holds", "G2": "partly", "G3": "partly", "G4": "does-not-hold"}
 

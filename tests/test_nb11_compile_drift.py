@@ -10,6 +10,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "11_compile_drift.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 1, "backend": "aot_eager", "hidden": 16, "drift_steps": 40}
 BUILTIN_RELU = '"torch.relu": torch.relu,'
 # A relu with slope 0.5 at 0 in place of torch.relu: no torch has one, so the notebook is changed.

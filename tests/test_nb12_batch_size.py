@@ -13,6 +13,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "12_batch_size.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 1, "noise_batches": [8, 16, 32, 64], "noise_draws": 60, "scheduler_batches": [16, 64, 256],
          "steps_per_batch": 6, "devices": 2, "accumulation_steps": 4}
 TWO_DRAWS = {"noise_batches": [16, 32, 64], "noise_draws": 2}

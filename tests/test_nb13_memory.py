@@ -9,6 +9,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "13_memory.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 2, "k1_batches": [1, 64], "vit_batches": [1], "validation_rows": 128, "validation_steps": 3}
 
 

@@ -18,6 +18,7 @@ import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "15_distributed.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 2, "per_rank_batch": 8, "steps": 4, "hidden": 16, "timeout_s": 30.0}
 ARTICLE_RUN = "args=(norm, lr, article_flags)"
 

@@ -7,9 +7,11 @@ K7 stays `does-not-hold`; the GPU-only cases record `needs-gpu` on a CPU."""
 
 from pathlib import Path
 
+import pytest
 from notebook_runs import run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "16_speed_and_memory.ipynb"
+pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 2, "ffn_blocks": 3, "ffn_width": 64, "attention_lengths": [64, 256]}
 # 64 floats a row: a block keeps a few hundred bytes of activations, a checkpoint call ~5 kB of RNG state
 ONE_ROW = {**SMALL, "ffn_rows": 1}

@@ -11,10 +11,14 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from papermill.iorw import load_notebook_node
+from papermill.parameterize import parameterize_notebook
+from quick_parameters import QUICK_PARAMETERS
 
 from labkit import grading, student
 from labkit.__main__ import main as labkit_main
 from labkit.errors import LabkitError
+from labkit.parameters import check_values, declared_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "notebooks"]
@@ -300,11 +304,25 @@ def cell_text(cell: nbformat.NotebookNode) -> str:
     return "".join(texts)
 
 
+def test_quick_parameters_name_every_notebook_and_only_declared_parameters():
+    notebooks = {param.values[0].stem: param.values[0] for param in source_notebooks()}
+    assert set(QUICK_PARAMETERS) == set(notebooks)
+    for stem, quick in QUICK_PARAMETERS.items():
+        declared = declared_parameters(parameters_cell(nbformat.read(notebooks[stem], 4)).source)
+        checked = check_values(declared, quick, where=stem)
+        assert checked == quick
+        smaller = [name for name, value in quick.items() if value != declared[name].default]
+        assert smaller == list(quick), f"{stem}: {set(quick) - set(smaller)} are the defaults already"
+
+
 @pytest.mark.slow
+@pytest.mark.lock_only
 @pytest.mark.parametrize("path", source_notebooks())
 def test_edition_runs_top_to_bottom_with_checks_failing_gracefully(editions, path):
+    """At the notebook's quick parameters (tests/quick_parameters.py), injected as papermill injects them: what
+    is tested is that every cell runs and every check fails gracefully, which the sizes do not change."""
     target = editions[path]
-    executed = nbformat.read(target, 4)
+    executed = parameterize_notebook(load_notebook_node(str(target)), QUICK_PARAMETERS[path.stem])
     NotebookClient(
         executed, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(target.parent)}}
     ).execute()
