@@ -4,7 +4,8 @@
 A notebook at its defaults is nbval's job (the stored outputs), and its verdicts at small sizes are the
 job of tests/test_nbNN_*.py, whose parameters are chosen to drive a verdict. These are smaller still: a
 structural run pays for the kernel and the cells, not for training long enough to decide a claim, so
-the student editions (16 executions in each CI stage) cost a fraction of what they did at the defaults.
+the student editions (17 executions in `make test`) cost about 270 s on a slow 2-core host against
+about 340 s at the defaults: what is left is mostly each kernel's start (torch, dynamo).
 `test_quick_parameters_name_every_notebook_and_only_declared_parameters` keeps the table in step with the
 notebooks' parameters cells.
 """
