@@ -323,6 +323,9 @@ def test_edition_runs_top_to_bottom_with_checks_failing_gracefully(editions, pat
     is tested is that every cell runs and every check fails gracefully, which the sizes do not change."""
     target = editions[path]
     executed = parameterize_notebook(load_notebook_node(str(target)), QUICK_PARAMETERS[path.stem])
+    # papermill puts its cell right after the tagged parameters cell; anywhere else the defaults would win
+    after_parameters = executed.cells[executed.cells.index(parameters_cell(executed)) + 1]
+    assert "injected-parameters" in after_parameters.metadata.tags
     NotebookClient(
         executed, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(target.parent)}}
     ).execute()
