@@ -1,8 +1,59 @@
 """Shared test settings: GPU tests skip with a reason on a machine without CUDA; files with slow tests
-run first."""
+run first; the session counts the Jupyter kernels its tests start."""
+
+import collections
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+# Every IPython kernel a test starts (papermill, nbclient, nbgrader; in this process or a child) runs the
+# startup files of IPYTHONDIR, and children inherit the variable: one file there appends the test that
+# started it (PYTEST_CURRENT_TEST, inherited too) to a log, read back in the terminal summary. The hub's
+# single-user servers filter their environment, so their kernels are not counted.
+KERNEL_COUNTER = """\
+def _labkit_count_kernel():
+    import os
+    with open(os.environ["LABKIT_KERNEL_LOG"], "a") as log:
+        log.write(os.environ.get("PYTEST_CURRENT_TEST", "outside a test").split(" (")[0] + "\\n")
+_labkit_count_kernel()
+del _labkit_count_kernel
+"""
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or "LABKIT_KERNEL_LOG" in os.environ:
+        return  # an xdist worker, or a nested pytest: the session that set the counter counts
+    ipython_dir = Path(tempfile.mkdtemp(prefix="labkit-test-ipython-"))
+    startup = ipython_dir / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-count-kernel.py").write_text(KERNEL_COUNTER)
+    os.environ["IPYTHONDIR"] = str(ipython_dir)
+    os.environ["LABKIT_KERNEL_LOG"] = str(ipython_dir / "kernels.log")
+    config.stash[KERNEL_LOG] = ipython_dir / "kernels.log"
+
+
+KERNEL_LOG = pytest.StashKey[Path]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    log = config.stash.get(KERNEL_LOG, None)
+    if log is None:
+        return
+    starts = log.read_text().splitlines() if log.exists() else []
+    by_file = collections.Counter(line.split("::")[0] for line in starts)
+    terminalreporter.write_sep("-", f"kernel starts: {len(starts)}")
+    for name, count in by_file.most_common():
+        terminalreporter.write_line(f"{count:4d}  {name}")
+
+
+def pytest_unconfigure(config):
+    log = config.stash.get(KERNEL_LOG, None)
+    if log is not None:
+        shutil.rmtree(log.parent, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
