@@ -24,13 +24,14 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from labkit import runner
+from labkit import _notebook_meta, runner
 
 TEST_DEVICE = "cpu"
 # The cases a CPU run cannot measure: on the CPU their verdict is exactly `needs-gpu`, never a
 # verdict computed from something else. (GPU-only catalogue cases such as J2 that a CPU does
-# measure are not here.)
-NEEDS_A_GPU_ON_CPU = frozenset({"A2", "B5", "H3", "J1", "J4", "K3", "K5", "K6", "N5", "O2"})
+# measure are not here.) Each notebook lists its own as `needs_gpu_on_cpu` in its metadata block,
+# notebooks/meta/NN_name.toml.
+NEEDS_A_GPU_ON_CPU: frozenset[str] = _notebook_meta.needs_a_gpu_on_cpu()
 
 
 def cpu_parameters(parameters: dict) -> dict:

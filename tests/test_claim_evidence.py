@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import claims
+from labkit import _notebook_meta, claims
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = ".".join(torch.__version__.split(".")[:2])
@@ -66,65 +66,10 @@ def test_the_version_patterns_leave_measured_numbers_alone(text):
 # into the evidence's literal text is allowed only when it is not a measurement: a figure the
 # article states (quoted to set against the measured one), a threshold of the verdict, or a fixed
 # setting of the reproduction. Reviewed case by case; a new literal number fails until it is either
-# formatted from a value or added here with its reason.
+# formatted from a value or added, with its reason, to `[typed_numbers_allowed]` in the metadata
+# block of the notebook that checks the case (notebooks/meta/NN_name.toml).
 NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:e-?\d+)?%?x?")
-TYPED_NUMBERS_ALLOWED = {
-    "A3": "2 3 64 8x 9x",  # the pooling settings compared and the 8x8 = 64 pixels of a digit
-    "A4": "32",  # the tiny MLP's width
-    "A8": "0.9 10 2.5",  # the article's factors and depth
-    "A9": "0",  # "0 times an infinite derivative"
-    "B1": "3",  # three backward passes, the reproduction's setting
-    "B3": "83.1% 99.2%",  # the article's OCR accuracies
-    "B5": "1 2 4 8x 32 32x 4x 64x 75%",  # the article's table rows and its 75 % claim (GPU branch)
-    "B6": "8",  # the article's 8 GPUs
-    "B8": "2 2x 3",  # two and three backward passes, the reproduction's settings
-    "C2": "0 1e-5",  # 0/0 and the fix's eps
-    "C4": "1e-3 1e-7 2",  # the article's gradcheck recipe, the float64 tolerance, the missing factor 2
-    "C5": "1 1e-10 1e-9 64",  # a batch of one, the tolerances, the batch of 64
-    "D3": "1 40",  # batch size 1, 40 steps
-    "D4": "1",  # a last batch of 1
-    "E1": "1 10 1e-12 90%",  # 1 - lr*wd, the 10-90 % spread, the tolerance
-    "E2": "1e-9 2",  # the tolerance, wd/2
-    "E3": "0.1 1 1.5x 10 100 1e-2 1e-4",  # the article's lr and the warmup settings compared
-    "E4": "0 0.005 0.01 0.02 0.9 1 1e-12 20",  # the article's layer decays and formula, the step compared
-    "F1": "2",  # norm_type=2
-    "F2": "0.05 1.0 12%",  # the article's range, clip value and recall drop
-    "F3": "0.02",  # the verdict's threshold on the mean accuracy gain
-    "G1": "0 2 24 25 6.1e-5 65536",  # the article's threshold and scale, fp16's exponents
-    "G2": "0.5 0.6 1.5 2 200 2000 24 4 8",  # the article's settings and the alternatives tried
-    "G4": "126 1e-3 2 20 4",  # the article's guard, the scales and steps of the reproduction
-    "G5": "6.1e-5 65504 65520",  # fp16's limits
-    "G6": "0 1.0 1e-3 40 65536",  # the article's guard and scale, the reproduction's steps
-    "H1": "0 0.15 0.40 10x 1e-4",
-    "H2": "0",
-    "H3": "2048",
-    "H4": "0 1 2",  # maximum(x, 0) and (x + |x|)/2 name formulas; 1, then 0: clamp's slope at 0 in past releases
-    "I1": "1e-5",  # the tolerance
-    "I2": "1.5x 2",  # the verdict's threshold, the article's prefetch_factor
-    "I4": "4",  # the four samples collated
-    "J1": "32",  # the article's multiple
-    "J2": "0.12 0.21 1 1.75x 32 64",  # the article's loss stds and batches
-    "J3": "1e-12",  # the tolerance
-    "K1": "1",  # batch 1
-    "K2": "1 12 125 144 16 500 894",  # the article's figures, ViT-B/16
-    "K3": "0.6 1.2 2",  # the article's arithmetic
-    "K4": "12% 13 28 42",  # the article's figures
-    "K5": "4",  # the 4-layer MLP measured (GPU branch)
-    "K6": "2048 8 37%",  # the GPU branch's shape, the article's saving
-    "K8": "224 50 80",  # the image size, the A100's 80 GB
-    "L1": "100x 200 500",  # the article's sampling and lead
-    "L3": "0 0.5",  # the article's std and dropout rate
-    "L4": "16 1e-6 1x 20",
-    "L5": "0.01 0.3 100 1000 128 32 50",  # the article's ranges and the reproduction's settings
-    "M1": "0 50%",  # the article's half
-    "N2": "1",  # d/dloc = 1
-    "N4": "0 1e-9",  # no gradient into padding, the tolerance
-    "N5": "0 10% 100 5",  # the timing settings (GPU branch)
-    "O1": "0.3",  # a rank 0.3 s late
-    "O2": "0 1 256 600 80%",  # the GPUs compared, the copy size, the article's 600 GB/s
-    "O2b": "1e-15",  # the tolerance
-    "O3": "1e-12",  # the tolerance
-}
+TYPED_NUMBERS_ALLOWED: dict[str, str] = _notebook_meta.typed_numbers_allowed()
 # Measurements still typed in, each to be formatted from its value (then removed from here: a stale
 # entry fails too). None is left: F4's "of 4" and M1's "100%" are formatted from the run's values.
 TYPED_MEASUREMENTS_PENDING: dict[tuple[str, str], str] = {}
@@ -170,7 +115,8 @@ def test_evidence_numbers_are_formatted_from_values_not_typed_in():
     assert set(TYPED_MEASUREMENTS_PENDING) <= found, "a pending typed measurement was fixed: remove its entry"
     assert typed == [], (
         f"numbers typed into claim evidence: {typed}; format the measured value into the f-string, or, for an "
-        "article's figure, a threshold or a fixed setting, add it to TYPED_NUMBERS_ALLOWED with its reason"
+        "article's figure, a threshold or a fixed setting, add it to [typed_numbers_allowed] with its reason in the "
+        "notebook's metadata block (notebooks/meta/NN_name.toml)"
     )
 
 

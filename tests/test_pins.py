@@ -98,7 +98,7 @@ def test_git_hooks_run_pinned_local_tools_and_download_nothing():
     assert {hook["language"] for hook in hooks} == {"system"}
     assert not [hook["id"] for hook in hooks if "additional_dependencies" in hook]
     declared = {normalise(r.name) for r in declared_requirements()}
-    tools = {hook["entry"].split()[2] for hook in hooks if hook["entry"].startswith("python -m ")}
+    tools = {hook["entry"].split()[2].split(".")[0] for hook in hooks if hook["entry"].startswith("python -m ")}
     assert tools - {"labkit"} <= declared, f"hooks run tools that pyproject does not declare: {tools - declared}"
 
 
