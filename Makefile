@@ -122,7 +122,7 @@ student: $(STAMP) ## write the student edition into student/ (solutions removed,
 course: $(STAMP) ## lay out an nbgrader course in $(COURSE)/ (NB="00 02 05" ASSIGNMENT=ps1; refuses handed-in work)
 	$(PY) -m labkit course create $(NB) --assignment $(ASSIGNMENT) --dest $(COURSE)
 
-# The workshop's JupyterHub (workshop/jupyterhub_config.py, README "Workshop on a JupyterHub"). Its proxy is
+# The workshop's JupyterHub (workshop/jupyterhub_config.py, docs/COURSE.md "Workshop on a JupyterHub"). Its proxy is
 # the npm package configurable-http-proxy, installed from workshop/proxy/'s lock into that folder only.
 PROXY := workshop/proxy/node_modules/.bin/configurable-http-proxy
 WORKSHOP_PORT ?= 8000

@@ -200,15 +200,13 @@ def recorded_cases(notebook: Path) -> list[str]:
     return sorted({record["id"] for record in claims.collect([notebook])}, key=case_order)
 
 
-def exercises_and_checks(notebook: Path) -> tuple[int, int]:
-    """How many exercises the notebook sets and how many `grading.check` calls its code cells make."""
+def exercise_count(notebook: Path) -> int:
+    """How many exercises the notebook sets (each has its check: tests/test_exercises.py)."""
     import nbformat
 
     from labkit import student
 
-    node = nbformat.read(notebook, as_version=4)
-    checks = sum(len(student.CHECK_CALL.findall(cell.source)) for cell in node.cells if cell.cell_type == "code")
-    return len(student.find_exercises(node, notebook.name)), checks
+    return len(student.find_exercises(nbformat.read(notebook, as_version=4), notebook.name))
 
 
 def _compares_with_cuda(node: ast.AST) -> bool:
@@ -251,16 +249,16 @@ def _cell(text: str) -> str:
 
 
 def notebook_table() -> str:
-    lines = ["| # | notebook | cases | reading + exercises | Run All on 2 CPU cores | GPU sections | exercises / checks |",
+    lines = ["| # | notebook | cases | reading + exercises | Run All on 2 CPU cores | GPU sections | exercises |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for stem, meta in all_meta().items():
         said = opening(meta.notebook)
-        exercises, checks = exercises_and_checks(meta.notebook)
+        exercises = exercise_count(meta.notebook)
         lines.append(
             f"| {said.number} | [{_cell(said.title)}](notebooks/{meta.notebook.name}) "
             f"| {compress_cases(recorded_cases(meta.notebook))} "
             f"| {said.reading_minutes} + {said.exercise_minutes} min | {said.run_all_seconds} s "
-            f"| {_cell(meta.gpu_sections) or 'none'} | {exercises} / {checks} |")
+            f"| {_cell(meta.gpu_sections) or 'none'} | {exercises} |")
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@
 `### BEGIN SOLUTION` and `### END SOLUTION` become a stub, outputs and execution counts are cleared,
 and everything else (planted bugs, checks, the `parameters` cell and its tags) stays as it is. The
 edition is generated, never hand-edited. This module also owns the exercise-cell convention of
-notebooks/AUTHORING.md, which tests/test_exercises.py uses to find each exercise's three cells.
+docs/AUTHORING.md, which tests/test_exercises.py uses to find each exercise's three cells.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ EDITION_METADATA = {"edition": "student"}
 
 @dataclass(frozen=True)
 class ExerciseCells:
-    """One exercise's three cells in a solution notebook, as source text (see notebooks/AUTHORING.md)."""
+    """One exercise's three cells in a solution notebook, as source text (see docs/AUTHORING.md)."""
 
     exercise: str
     planted_bug: str
@@ -189,7 +189,7 @@ def _assemble(exercise_id: str, roles: dict[str, tuple[int, str]], name: str) ->
     if missing:
         raise LabkitError(
             f"{name}: exercise {exercise_id} has no {' or '.join(missing)} cell; "
-            "see the Exercises section of notebooks/AUTHORING.md"
+            "see the Exercises section of docs/AUTHORING.md"
         )
     order = [roles[role][0] for role in ("planted bug", "solution", "check")]
     if order != sorted(order):

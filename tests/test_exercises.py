@@ -6,7 +6,7 @@ one only because the check or the cell crashed, fails here; so does a check that
 answers, and a hint that does not grow more explicit from a first failed try to a later one.
 
 Exercises are discovered in notebooks/NN_*.ipynb.
-Each cell runs alone in a fresh copy of `grading.EXERCISE_NAMESPACE`, as AUTHORING.md promises.
+Each cell runs alone in a fresh copy of `grading.EXERCISE_NAMESPACE`, as docs/AUTHORING.md promises.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-# JupyterHub for a room of Gradient Lab learners on one machine: `make workshop` (README, Workshop on a
-# JupyterHub). Every learner's server starts in their own copy of the course's nbgrader release (the
+# JupyterHub for a room of Gradient Lab learners on one machine: `make workshop` (docs/COURSE.md,
+# Workshop on a JupyterHub). Every learner's server starts in their own copy of the course's nbgrader release (the
 # student edition), in this checkout's Python with labkit, and submits through the exchange folder that
 # the course's nbgrader_config.py names; the instructor releases, collects and autogrades from the course
 # folder. Settings come from the environment (defaults in brackets):

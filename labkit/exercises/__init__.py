@@ -5,7 +5,7 @@ the `@exercise` decorator. A check receives the learner's function, tests its *b
 fixtures it builds itself, and either returns one sentence saying what passed or raises `NotYet`
 saying what is still wrong. Running a check safely (under a time limit, with the notebook's global
 state restored and the answer's results converted to plain builtin types), printing the verdict and
-keeping the score is `labkit.grading`'s job. notebooks/AUTHORING.md ("Exercises") says how to write one.
+keeping the score is `labkit.grading`'s job. docs/AUTHORING.md ("Exercises") says how to write one.
 """
 
 from __future__ import annotations

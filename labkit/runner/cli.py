@@ -106,7 +106,7 @@ def repro_main(argv: list[str]) -> int:
     parser.add_argument("--out", help="a new or empty output folder (default: runs/NOTEBOOK/TIME-SUFFIX)")
     parser.add_argument("--cluster", metavar="local:N|tcp://HOST:PORT|SCHEDULER_FILE",
                         help="run the sweep's points on Dask: a LocalCluster of N worker processes, a running "
-                             "scheduler, or the scheduler file it wrote (needs labkit[cluster]; README, Sweeps at scale)")
+                             "scheduler, or the scheduler file it wrote (needs labkit[cluster]; docs/RERUN.md, Sweeps at scale)")
     parser.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT,
                         help=f"seconds to reach the --cluster scheduler and find a worker (default {CONNECT_TIMEOUT:g})")
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@
 ``python -m labkit repro NB --sweep ... --cluster local:N`` starts a LocalCluster of N worker
 processes (one point at a time each, loopback only, no dashboard); ``--cluster tcp://HOST:PORT`` or
 ``--cluster path/to/scheduler.json`` submits to a scheduler that is already running, such as one
-that dask-jobqueue started on Slurm or dask-kubernetes on Kubernetes (README, "Sweeps at scale").
+that dask-jobqueue started on Slurm or dask-kubernetes on Kubernetes (docs/RERUN.md, "Sweeps at scale").
 
 On the worker a point is `labkit.runner.run.run_notebook` in a scratch folder of its own under the
 worker's local directory: papermill in a child process, the parameters validated, the worker's
@@ -169,7 +169,7 @@ def _connect(distributed, spec: ClusterSpec, connect_timeout: float, out_dir: Pa
     except (OSError, TimeoutError) as error:
         seconds = time.monotonic() - started
         raise LabkitError(f"could not reach {spec.describe()} within {connect_timeout:g} s (gave up after "
-                          f"{seconds:.1f} s: {error}); start it first (README, Sweeps at scale), check the "
+                          f"{seconds:.1f} s: {error}); start it first (docs/RERUN.md, Sweeps at scale), check the "
                           "address, or allow longer with --connect-timeout") from error
     try:
         client.wait_for_workers(1, timeout=connect_timeout)
@@ -324,7 +324,7 @@ def _task_failure(status: str, error: BaseException | None, point: _Point) -> st
     if error is None:
         return f"the scheduler {status} the point before it finished (its connection was lost, or it was cancelled)"
     return (f"the point could not run on its worker ({name}: {error}); a worker needs the project and its "
-            f"lock installed: {INSTALL_HINT} (README, Sweeps at scale)")
+            f"lock installed: {INSTALL_HINT} (docs/RERUN.md, Sweeps at scale)")
 
 
 def _refused(point: _Point, notebook: Path, payload: dict) -> RunResult:
