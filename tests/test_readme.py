@@ -1,5 +1,6 @@
 """The README tells a newcomer the truth in one screen: its commands exist, the maintainer's command is on
-its first screen, it lists every notebook, and it and the pages under docs/ link only to what exists."""
+its first screen, it lists every notebook, and it, the pages under docs/, the glossary and the results index
+link only to what exists."""
 
 import re
 import subprocess
@@ -12,7 +13,7 @@ from labkit import notebooks
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [ROOT / "README.md", *DOCS]
+PAGES = [ROOT / "README.md", *DOCS, ROOT / "notebooks" / "GLOSSARY.md", ROOT / "benchmarks" / "results" / "README.md"]
 # What a newcomer sees without scrolling: a terminal or a rendered page's first screen.
 FIRST_SCREEN_LINES = 40
 FIRST_SCREEN_BYTES = 3 * 1024
