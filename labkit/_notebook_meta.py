@@ -233,8 +233,8 @@ def compress_cases(case_ids: list[str]) -> str:
     runs: list[list[str]] = []
     for case_id in case_ids:
         letter, number, suffix = case_order(case_id)
-        previous = runs[-1][-1] if runs else None
-        if previous and not suffix and case_order(previous)[::2] == (letter, "") and case_order(previous)[1] == number - 1:
+        previous = case_order(runs[-1][-1]) if runs else None
+        if not suffix and previous == (letter, number - 1, ""):
             runs[-1].append(case_id)
         else:
             runs.append([case_id])
@@ -251,7 +251,7 @@ def _cell(text: str) -> str:
 def notebook_table() -> str:
     lines = ["| # | notebook | cases | reading + exercises | Run All on 2 CPU cores | GPU sections | exercises |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for stem, meta in all_meta().items():
+    for meta in all_meta().values():
         said = opening(meta.notebook)
         exercises = exercise_count(meta.notebook)
         lines.append(
