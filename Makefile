@@ -138,7 +138,15 @@ workshop: $(STAMP) $(PROXY) ## start the room's JupyterHub on 127.0.0.1:$(WORKSH
 	@test -d $(COURSE)/release || { echo "no course in $(COURSE)/: run make course NB=\"00 02 05\" ASSIGNMENT=ps1 first"; exit 2; }
 	GRADIENTLAB_COURSE=$(abspath $(COURSE)) GRADIENTLAB_HUB_PORT=$(WORKSHOP_PORT) $(VENV)/bin/jupyterhub -f workshop/jupyterhub_config.py
 
-bench: $(STAMP) ## run the benchmarks in benchmarks/ (ratios measured in one run)
+# The bench extra (tensorboard, for tracer_overhead.py's TensorBoard recipe) is not in dev: only make bench
+# installs it, from the same lock.
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP) ## run the benchmarks in benchmarks/ (ratios measured in one run; installs the bench extra)
 	@for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 repro: $(STAMP) ## rerun one notebook: make repro NB=00_start_here P="-p seed 3 -p steps 50"
