@@ -21,14 +21,13 @@ from importlib import resources
 from pathlib import Path
 
 from labkit.errors import LabkitError
-from labkit.notebooks import NOTEBOOK_GLOB, show_record, stored_records
+from labkit.notebooks import NOTEBOOK_GLOB
+from labkit.records import CLAIM_MIME, METRIC_MIME, show_record, stored_records
 
 __all__ = ["case", "check", "metric", "table"]
 
 VERDICTS = ("holds", "does-not-hold", "partly", "needs-gpu", "untestable")
 MEASURED_VERDICTS = ("holds", "does-not-hold", "partly")
-CLAIM_MIME = "application/vnd.labkit.claim+json"
-METRIC_MIME = "application/vnd.labkit.metric+json"
 # What `collect` reads from each stored claim payload.
 CLAIM_FIELDS = {"id": str, "verdict": str, "evidence": str, "claim": str}
 

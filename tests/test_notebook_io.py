@@ -1,4 +1,4 @@
-"""labkit.notebooks (notebook files: reading, records, normalising, the jupytext pair, the fingerprint
+"""labkit.notebooks and labkit.records (notebook files: reading, records, normalising, the jupytext pair, the fingerprint
 stamp), the `normalise` command, and labkit.messages."""
 
 import subprocess
@@ -9,7 +9,7 @@ import nbformat
 import pytest
 import torch
 
-from labkit import LabkitError, notebooks, probes
+from labkit import LabkitError, notebooks, probes, records
 from labkit.messages import describe_error, first_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,13 +76,13 @@ def test_stored_records_reads_one_mimetype_and_names_the_notebook(tmp_path):
                     nbformat.v4.new_output("display_data", data={"application/x-b+json": {"v": 2}, "text/plain": "b"})]
     nb.cells.append(cell)
     nbformat.write(nb, tmp_path / "07_x.ipynb")
-    assert notebooks.stored_records(tmp_path / "07_x.ipynb", "application/x-a+json") == [{"v": 1, "notebook": "07_x"}]
+    assert records.stored_records(tmp_path / "07_x.ipynb", "application/x-a+json") == [{"v": 1, "notebook": "07_x"}]
     with pytest.raises(LabkitError, match="cannot read notebook"):
-        notebooks.read_notebook_json(tmp_path / "missing.ipynb")
+        records.read_notebook_json(tmp_path / "missing.ipynb")
 
 
 def test_show_record_prints_outside_ipython(capsys):
-    notebooks.show_record("the text", "application/x-a+json", {"v": 1})
+    records.show_record("the text", "application/x-a+json", {"v": 1})
     assert capsys.readouterr().out == "the text\n"
 
 

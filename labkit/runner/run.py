@@ -22,11 +22,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from labkit.claims import CLAIM_MIME, METRIC_MIME
 from labkit.errors import LabkitError
 from labkit.messages import first_line
-from labkit.notebooks import KERNELSPEC, read_notebook_json, select_notebooks, stamp_notebook, stored_records
+from labkit.notebooks import KERNELSPEC, select_notebooks, stamp_notebook
 from labkit.probes import fingerprint
+from labkit.records import CLAIM_MIME, METRIC_MIME, read_notebook_json, stored_records
 from labkit.runner import _papermill_child
 from labkit.runner.parameters import validate_parameters
 from labkit.runner.paths import inside, require_empty_folder
