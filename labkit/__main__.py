@@ -15,7 +15,7 @@ from labkit.runner.processes import termination_as_interrupt
 INTERRUPTED_EXIT = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
 
 COMMANDS = {
-    "claims": ("labkit.claims", "main", "print every claim verdict stored in the notebooks (--json for JSON)"),
+    "claims": ("labkit.claims_report", "main", "print every claim verdict stored in the notebooks (--json for JSON)"),
     "execute": ("labkit.runner", "execute_main", "sync, execute and normalise notebooks in place (make notebooks)"),
     "normalise": ("labkit.runner", "normalise_main", "normalise .ipynb files in place (exit 1 if any changed)"),
     "workbook": ("labkit.runner", "workbook_main", "run every notebook under runs/<name>/ and write the summary"),
