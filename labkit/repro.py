@@ -2,9 +2,9 @@
 
 Every notebook starts with `repro.check_parameters(globals())` (`labkit.parameters`: the values
 papermill or a learner gave, checked against the parameters cell) and `dev = repro.setup(seed=seed,
-device=device)`. Rerunning a notebook
-with other parameters, sweeps and the workbook run live in `labkit.runner`; notebook files in
-`labkit.notebooks`. Taught in `00_start_here`.
+device=device)`. The command
+`python -m labkit repro` (rerunning a notebook with other parameters, sweeps) is
+labkit/runner/repro_command.py, outside the kernel; notebook files are `labkit.notebooks`. Taught in `00_start_here`.
 """
 
 from __future__ import annotations

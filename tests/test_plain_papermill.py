@@ -25,7 +25,7 @@ from papermill.parameterize import parameterize_notebook
 from labkit.notebooks import workbook_notebooks
 from labkit.parameters import ParameterError, check_parameters, check_values, declared_parameters
 from labkit.records import METRIC_MIME, stored_records
-from labkit.runner.parameters import notebook_declarations, parameters_cell, validate_parameters
+from labkit.runner.rerun_parameters import notebook_declarations, parameters_cell, validate_parameters
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 START = NOTEBOOKS / "00_start_here.ipynb"

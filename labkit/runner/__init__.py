@@ -4,7 +4,7 @@
 results under `runs/`); `make workbook` runs them all and writes a summary; `make notebooks`
 refreshes the committed outputs. The notebooks themselves need only `labkit.repro.setup`.
 
-- `parameters`: the parameters cell and values checked against it;
+- `rerun_parameters`: the parameters cell read from the file, and a rerun's values checked against it;
 - `run`: one papermill run in a child process (`run_notebook`);
 - `paths`: fresh run folders, safe folder names, the proof that a written path is inside its run folder;
 - `processes`: stopping a whole process tree on any platform; SIGTERM handled as Ctrl-C;
@@ -12,13 +12,15 @@ refreshes the committed outputs. The notebooks themselves need only `labkit.repr
 - `cluster`: a sweep's points on a Dask cluster (`--cluster`; the `cluster` extra, imported only when asked for);
 - `summary`: the workbook run's summary files;
 - `execute`: executing a committed notebook in place;
-- `cli`: the command-line entry points.
+- `repro_command`: `python -m labkit repro` (one rerun, or a sweep);
+- `cli`: the other commands (`workbook`, `execute`, `normalise`).
 """
 
-from labkit.runner.cli import execute_main, normalise_main, repro_main, workbook_main
+from labkit.runner.cli import execute_main, normalise_main, workbook_main
 from labkit.runner.cluster import cluster_sweep, parse_cluster
 from labkit.runner.execute import execute_in_place
-from labkit.runner.parameters import notebook_parameters, parameters_cell, parse_value, validate_parameters
+from labkit.runner.repro_command import repro_main
+from labkit.runner.rerun_parameters import notebook_parameters, parameters_cell, parse_value, validate_parameters
 from labkit.runner.run import RunResult, resolve_notebook, run_notebook
 from labkit.runner.summary import write_summary
 from labkit.runner.sweep import grid_points, parse_sweep, plot_sweep, sweep, sweep_table, write_sweep

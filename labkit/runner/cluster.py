@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from labkit.errors import LabkitError
-from labkit.runner.parameters import validate_parameters
 from labkit.runner.paths import folder_name, inside, new_folder, require_empty_folder
+from labkit.runner.rerun_parameters import validate_parameters
 from labkit.runner.run import RunResult, check_timeout, run_notebook
 from labkit.runner.sweep import grid_points
 
