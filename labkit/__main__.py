@@ -17,7 +17,7 @@ INTERRUPTED_EXIT = 130  # the shell's code for a command ended by Ctrl-C (128 + 
 COMMANDS = {
     "claims": ("labkit.claims_report", "main", "print every claim verdict stored in the notebooks (--json for JSON)"),
     "execute": ("labkit.runner", "execute_main", "sync, execute and normalise notebooks in place (make notebooks)"),
-    "normalise": ("labkit.runner", "normalise_main", "normalise .ipynb files in place (exit 1 if any changed)"),
+    "normalise": ("labkit.runner.normalise_command", "normalise_main", "normalise .ipynb files in place (exit 1 if any changed)"),
     "workbook": ("labkit.runner", "workbook_main", "run every notebook under runs/<name>/ and write the summary"),
     "repro": ("labkit.runner.repro_command", "repro_main", "rerun one notebook with validated parameters"),
     "student": ("labkit.student", "main", "write the student edition (solutions removed)"),

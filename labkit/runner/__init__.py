@@ -13,38 +13,36 @@ refreshes the committed outputs. The notebooks themselves need only `labkit.repr
 - `summary`: the workbook run's summary files;
 - `execute`: executing a committed notebook in place;
 - `repro_command`: `python -m labkit repro` (one rerun, or a sweep);
-- `cli`: the other commands (`workbook`, `execute`, `normalise`).
+- `normalise_command`: `python -m labkit normalise` (imports no torch: the pre-commit hook runs it);
+- `cli`: the other commands (`workbook`, `execute`).
 """
 
-from labkit.runner.cli import execute_main, normalise_main, workbook_main
-from labkit.runner.cluster import cluster_sweep, parse_cluster
-from labkit.runner.execute import execute_in_place
-from labkit.runner.repro_command import repro_main
-from labkit.runner.rerun_parameters import notebook_parameters, parameters_cell, parse_value, validate_parameters
-from labkit.runner.run import RunResult, resolve_notebook, run_notebook
-from labkit.runner.summary import write_summary
-from labkit.runner.sweep import grid_points, parse_sweep, plot_sweep, sweep, sweep_table, write_sweep
+from labkit._lazy import lazy_attributes
 
-__all__ = [
-    "RunResult",
-    "cluster_sweep",
-    "execute_in_place",
-    "execute_main",
-    "grid_points",
-    "normalise_main",
-    "notebook_parameters",
-    "parameters_cell",
-    "parse_cluster",
-    "parse_sweep",
-    "parse_value",
-    "plot_sweep",
-    "repro_main",
-    "resolve_notebook",
-    "run_notebook",
-    "sweep",
-    "sweep_table",
-    "validate_parameters",
-    "workbook_main",
-    "write_summary",
-    "write_sweep",
-]
+# Read lazily (PEP 562), so `python -m labkit normalise` imports only what normalising needs: no torch.
+_HOMES = {
+    "cluster_sweep": "labkit.runner.cluster",
+    "parse_cluster": "labkit.runner.cluster",
+    "execute_in_place": "labkit.runner.execute",
+    "execute_main": "labkit.runner.cli",
+    "normalise_main": "labkit.runner.normalise_command",
+    "workbook_main": "labkit.runner.cli",
+    "repro_main": "labkit.runner.repro_command",
+    "notebook_parameters": "labkit.runner.rerun_parameters",
+    "parameters_cell": "labkit.runner.rerun_parameters",
+    "parse_value": "labkit.runner.rerun_parameters",
+    "validate_parameters": "labkit.runner.rerun_parameters",
+    "RunResult": "labkit.runner.run",
+    "resolve_notebook": "labkit.runner.run",
+    "run_notebook": "labkit.runner.run",
+    "write_summary": "labkit.runner.summary",
+    "grid_points": "labkit.runner.sweep",
+    "parse_sweep": "labkit.runner.sweep",
+    "plot_sweep": "labkit.runner.sweep",
+    "sweep": "labkit.runner.sweep",
+    "sweep_table": "labkit.runner.sweep",
+    "write_sweep": "labkit.runner.sweep",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _HOMES)
+
+__all__ = sorted(_HOMES)

@@ -1,5 +1,5 @@
-"""The runner's commands `python -m labkit workbook|execute|normalise ...` (see labkit.__main__); `repro` is
-labkit/runner/repro_command.py."""
+"""The runner's commands `python -m labkit workbook|execute ...` (see labkit.__main__); `repro` is
+labkit/runner/repro_command.py, `normalise` labkit/runner/normalise_command.py."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import shutil
 from pathlib import Path
 
 from labkit.errors import LabkitError
-from labkit.notebooks import normalise_file, select_notebooks
+from labkit.notebooks import select_notebooks
 from labkit.runner.execute import execute_in_place
 from labkit.runner.paths import inside, new_folder, new_run_folder
 from labkit.runner.run import check_timeout, run_notebook
 from labkit.runner.summary import SUMMARY_FILES, write_summary
 
-__all__ = ["execute_main", "normalise_main", "workbook_main"]
+__all__ = ["execute_main", "workbook_main"]
 
 
 def execute_main(argv: list[str]) -> int:
@@ -28,21 +28,6 @@ def execute_main(argv: list[str]) -> int:
         seconds = execute_in_place(notebook, args.prefer)
         print(f"{notebook.name}: executed in {seconds:.1f} s, outputs stored, pair synced")
     return 0
-
-
-def normalise_main(argv: list[str]) -> int:
-    """`python -m labkit normalise NOTEBOOK...`: strip run-to-run metadata in place, without executing.
-
-    Exits 1 when it changed a file (the pre-commit convention: the commit is retried with the
-    normalised files), 0 when every file was already normalised.
-    """
-    parser = argparse.ArgumentParser(prog="python -m labkit normalise", description=normalise_main.__doc__)
-    parser.add_argument("notebooks", nargs="+", help=".ipynb files to normalise in place")
-    args = parser.parse_args(argv)
-    changed = [path for path in args.notebooks if normalise_file(path)]
-    for path in changed:
-        print(f"{path}: normalised")
-    return 1 if changed else 0
 
 
 def workbook_main(argv: list[str]) -> int:
