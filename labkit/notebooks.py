@@ -1,11 +1,10 @@
-"""The workbook's notebook files: finding them, reading them, the records in their outputs, their pairs.
+"""The workbook's notebook files, tooling side: finding them, normalising them, their jupytext pairs.
 
-The tooling side of the notebook files: the one glob for the workbook's notebooks, `normalise`
-(what changes from run to run is stripped before a notebook is committed), the jupytext pairing
-with ``notebooks/py/NN_name.py`` and its cell-metadata filter (read from the project's
-``jupytext.toml``, declared nowhere else), and `stamp_notebook`. The records a running notebook
-stores in its outputs, and reading them back, are `labkit.records` (a kernel imports that, never
-this module).
+The one glob for the workbook's notebooks, `normalise` (what changes from run to run is stripped
+before a notebook is committed), the jupytext pairing with ``notebooks/py/NN_name.py`` and its
+cell-metadata filter (read from the checkout's ``jupytext.toml``, declared nowhere else, so this
+tooling runs in a checkout), and `stamp_notebook`. The records a running notebook stores in its
+outputs, and reading them back, are `labkit.records`: a kernel imports that, never this module.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from labkit.errors import LabkitError
 from labkit.records import read_notebook_json
 
 __all__ = [
-    "JUPYTEXT_CONFIG",
     "KERNELSPEC",
     "NOTEBOOK_GLOB",
     "WIDGET_VIEW_MIME",
@@ -43,8 +41,8 @@ NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 """The workbook's notebooks: ``NN_name.ipynb``, in course order when sorted."""
 SCRIPT_FOLDER = "py"
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-JUPYTEXT_CONFIG = Path(__file__).resolve().parents[1] / "jupytext.toml"
-"""The project's jupytext configuration: the pairing and the metadata kept in both files."""
+JUPYTEXT_CONFIG_NAME = "jupytext.toml"
+"""The workbook's jupytext configuration, at the checkout's root: the pairing and the metadata kept in both files."""
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 # Fixed, so a widget's stored model id depends only on where the widget sits in the notebook.
 _WIDGET_NAMESPACE = uuid.UUID("6f1d0c3e-8a52-4d1b-9a57-3b0c1f6e2d41")
@@ -142,20 +140,34 @@ def normalise_file(path: str | Path) -> bool:
 
 # ---- the jupytext pair -----------------------------------------------------------------------
 
+def jupytext_config_file() -> Path:
+    """The workbook's ``jupytext.toml``: in the current folder or the nearest folder above it, as jupytext
+    finds it. It is the checkout's, not labkit's: an installed labkit ships no notebooks to pair."""
+    here = Path.cwd()
+    for folder in (here, *here.parents):
+        if (folder / JUPYTEXT_CONFIG_NAME).is_file():
+            return folder / JUPYTEXT_CONFIG_NAME
+    raise LabkitError(
+        f"no {JUPYTEXT_CONFIG_NAME} in {here} or any folder above it: labkit's notebook tooling (normalise, "
+        "execute, the jupytext pair) reads the workbook's pairing and kept cell metadata there, so it runs in a "
+        "checkout of the workbook; run it from the checkout (git clone the repository, then cd into it)"
+    )
+
+
 @functools.cache
-def _jupytext_config() -> dict:
+def _read_jupytext_config(path: Path) -> dict:
     import tomllib  # only the tooling needs it, not `import labkit`
 
     try:
-        return tomllib.loads(JUPYTEXT_CONFIG.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as error:
-        raise LabkitError(f"cannot read the project's jupytext configuration {JUPYTEXT_CONFIG}: {error}; "
-                          "labkit's notebook tooling runs from a checkout of the workbook") from error
+        raise LabkitError(f"cannot read the workbook's jupytext configuration {path}: {error}; "
+                          "restore it from the repository (git checkout jupytext.toml)") from error
 
 
 def jupytext_filters() -> dict[str, str]:
     """The notebook and cell metadata filters of ``jupytext.toml``, as jupytext's notebook metadata."""
-    config = _jupytext_config()
+    config = _read_jupytext_config(jupytext_config_file())
     return {key: config[key] for key in ("notebook_metadata_filter", "cell_metadata_filter")}
 
 

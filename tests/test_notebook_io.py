@@ -69,6 +69,16 @@ def test_the_kept_cell_metadata_comes_from_jupytext_toml():
     assert notebooks.kept_cell_metadata() == ("tags", "nbgrader", "jupyter")
 
 
+def test_the_pairing_config_is_the_checkout_s_found_from_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT / "notebooks" / "py")
+    assert notebooks.jupytext_config_file() == ROOT / "jupytext.toml"
+    monkeypatch.chdir(tmp_path)  # no checkout here: what an installed labkit sees outside one
+    nbformat.write(widget_notebook("a"), tmp_path / "00_x.ipynb")
+    with pytest.raises(LabkitError, match=rf"no jupytext.toml in {tmp_path} or any folder above it: .*runs in a "
+                                          r"checkout of the workbook; run it from the checkout"):
+        notebooks.normalise_file(tmp_path / "00_x.ipynb")
+
+
 def test_stored_records_reads_one_mimetype_and_names_the_notebook(tmp_path):
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("x")
