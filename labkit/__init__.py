@@ -1,12 +1,14 @@
 """labkit: the instruments of the Gradient Lab workbook.
 
-The public API is
+The public API is the package level:
 - the names in `__all__` below, as `from labkit import claims, GradTracer`: the instrument modules
   and the gradient-tracing names nearly every notebook uses; and
 - `labkit.<module>.<name>` for each name in a public module's own `__all__`, as
-  `from labkit.probes import measure_time` (a module is public when no part of its dotted name
-  starts with `_`).
+  `from labkit.probes import measure_time`, where a public module is one level below labkit and
+  does not start with `_` (a module inside a subpackage, such as `labkit.memory.measure`, is that
+  package's implementation).
 
+Each object is declared in one `__all__` only, so it has one spelling.
 docs/API.md lists every public name with the first line of its docstring and the notebooks that use
 it; `python docs/make_api.py --write` regenerates it. A name outside its module's `__all__` is
 internal to labkit (used by labkit itself, its command line or its tests) and may change without

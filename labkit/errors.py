@@ -4,7 +4,7 @@ Every message says what was wrong and what to do about it, so a learner reading 
 knows the next step without opening labkit's source.
 """
 
-__all__ = ["LabkitError"]
+__all__: list[str] = []  # LabkitError is declared as labkit.LabkitError
 
 
 class LabkitError(ValueError):

@@ -19,7 +19,7 @@ import torch
 
 from labkit.errors import LabkitError
 
-__all__ = ["fingerprint", "format_fingerprint"]
+__all__: list[str] = []  # fingerprint and format_fingerprint are declared in labkit.probes
 
 _FINGERPRINT_KEYS = ("python", "torch", "cuda", "cudnn", "gpu", "driver", "cpu", "flags", "unavailable")
 _NEEDS_CUDA = "needs a CUDA device: torch.cuda.is_available() is False on this machine"

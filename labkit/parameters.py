@@ -28,7 +28,7 @@ from pathlib import Path
 
 from labkit.errors import LabkitError
 
-__all__ = ["Parameter", "ParameterError", "check_parameters", "check_values", "declared_parameters"]
+__all__ = ["Parameter", "ParameterError", "check_values", "declared_parameters"]  # and repro.check_parameters
 
 SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 """The annotations a parameter may carry: these, or `list[...]` of one of them."""

@@ -24,10 +24,7 @@ from labkit.devices import resolve_device
 from labkit.errors import LabkitError
 from labkit.parameters import check_parameters
 
-__all__ = ["check_parameters", "fastest_kernels", "pick_device", "seed_everything", "setup"]
-
-pick_device = resolve_device
-"""`labkit.devices.resolve_device` under the name repro gave it first."""
+__all__ = ["check_parameters", "fastest_kernels", "seed_everything", "setup"]
 
 
 def seed_everything(seed: int) -> None:

@@ -12,6 +12,7 @@ included, so a tooling import that runs only on some call is caught too.
 from __future__ import annotations
 
 import ast
+import importlib
 import shutil
 import subprocess
 import sys
@@ -169,3 +170,13 @@ def test_names_read_from_labkit_are_imported_on_first_use():
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="module 'labkit' has no attribute 'GradTrace'"):
         labkit.GradTrace  # noqa: B018
+
+
+@pytest.mark.parametrize("package", ["labkit", "labkit.runner"])
+def test_no_lazy_name_is_shadowed_by_a_submodule_of_that_name(package):
+    """Importing `package.NAME` sets the attribute NAME to the submodule, hiding a function of that name
+    (as labkit/runner/sweep.py hid `runner.sweep`): a lazy name may share its name only with its home."""
+    homes = importlib.import_module(package)._HOMES
+    clashes = [name for name, home in homes.items()
+               if f"{package}.{name}" in module_sources() and home != f"{package}.{name}"]
+    assert not clashes, f"rename the submodule(s) of {package} named like a name they do not define: {clashes}"

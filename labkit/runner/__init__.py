@@ -8,7 +8,7 @@ refreshes the committed outputs. The notebooks themselves need only `labkit.repr
 - `run`: one papermill run in a child process (`run_notebook`);
 - `paths`: fresh run folders, safe folder names, the proof that a written path is inside its run folder;
 - `processes`: stopping a whole process tree on any platform; SIGTERM handled as Ctrl-C;
-- `sweep`: a grid of runs, tabulated and plotted;
+- `sweeps`: a grid of runs, tabulated and plotted;
 - `cluster`: a sweep's points on a Dask cluster (`--cluster`; the `cluster` extra, imported only when asked for);
 - `summary`: the workbook run's summary files;
 - `execute`: executing a committed notebook in place;
@@ -36,12 +36,12 @@ _HOMES = {
     "resolve_notebook": "labkit.runner.run",
     "run_notebook": "labkit.runner.run",
     "write_summary": "labkit.runner.summary",
-    "grid_points": "labkit.runner.sweep",
-    "parse_sweep": "labkit.runner.sweep",
-    "plot_sweep": "labkit.runner.sweep",
-    "sweep": "labkit.runner.sweep",
-    "sweep_table": "labkit.runner.sweep",
-    "write_sweep": "labkit.runner.sweep",
+    "grid_points": "labkit.runner.sweeps",
+    "parse_sweep": "labkit.runner.sweeps",
+    "plot_sweep": "labkit.runner.sweeps",
+    "sweep": "labkit.runner.sweeps",
+    "sweep_table": "labkit.runner.sweeps",
+    "write_sweep": "labkit.runner.sweeps",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _HOMES)
 

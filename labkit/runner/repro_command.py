@@ -17,7 +17,7 @@ from labkit.runner.paths import new_run_folder, safe_name
 from labkit.runner.rerun_parameters import parse_value, validate_parameters
 from labkit.runner.run import check_timeout, resolve_notebook, run_notebook
 from labkit.runner.summary import md_table
-from labkit.runner.sweep import grid_points, parse_sweep, sweep, sweep_table, write_sweep
+from labkit.runner.sweeps import grid_points, parse_sweep, sweep, sweep_table, write_sweep
 
 __all__ = ["repro_main"]
 
