@@ -265,6 +265,9 @@ def summary(doc: str) -> str:
 def pointer_problems(module_name: str) -> list[str]:
     """Each `NN_name` in the module's docstrings that names no notebook, or one that does not use it.
 
+    A docstring points at notebooks as "Used in NN_name": what this checks is use (the notebook's
+    code reads the name), not that the notebook's prose teaches it, so the phrase says use too.
+
     A name's docstring may point only to notebooks that use that name; the module's docstring only
     to notebooks that use the module. A module with nothing to import (empty `__all__`, such as an
     exercise-check module) can be used by no notebook, so its pointers need only name a notebook.

@@ -5,7 +5,7 @@ and records what the data supports with `check(ID, verdict=..., evidence=...)`. 
 for the reader and stored in the notebook's outputs under a JSON mimetype (`labkit.records`), so
 `python -m labkit claims` (labkit/claims_report.py) can list every verdict from the stored
 notebooks without executing them.
-Taught in `00_start_here`; used by every notebook.
+Used in every notebook.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Python, torch, CUDA and cuDNN builds, the GPU and its driver, the CPU and the cores this process may
 use, and torch's determinism flags, each with the reason when it cannot be had. Every notebook
-prints it in an ignored cell, and `python -m labkit repro` stores it beside each run. Taught in
+prints it in an ignored cell, and `python -m labkit repro` stores it beside each run. Used in
 `00_start_here`; `labkit.probes` re-exports both names.
 """
 
@@ -31,7 +31,7 @@ def fingerprint() -> dict:
     Keys: python, platform, torch, cuda (torch's CUDA build), cudnn, gpu (name, capability, memory,
     multiprocessors, count), driver, cpu (model, cores, torch threads), flags (determinism and TF32
     switches), and ``unavailable``: for every value that is None, the reason it could not be had.
-    Taught in `00_start_here`; `labkit.notebooks.stamp_notebook` stores it in an executed notebook's metadata.
+    Used in `00_start_here`; `labkit.notebooks.stamp_notebook` stores it in an executed notebook's metadata.
     """
     fields = {"cuda": _cuda_build(), "cudnn": _cudnn_version(), "gpu": _gpu_identity(), "driver": _driver_version()}
     cpu = _cpu_identity()

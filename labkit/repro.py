@@ -4,7 +4,7 @@ Every notebook starts with `repro.check_parameters(globals())` (`labkit.paramete
 papermill or a learner gave, checked against the parameters cell) and `dev = repro.setup(seed=seed,
 device=device)`. The command
 `python -m labkit repro` (rerunning a notebook with other parameters, sweeps) is
-labkit/runner/repro_command.py, outside the kernel; notebook files are `labkit.notebooks`. Taught in `00_start_here`.
+labkit/runner/repro_command.py, outside the kernel; notebook files are `labkit.notebooks`. Used in `00_start_here`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def fastest_kernels() -> Iterator[None]:
     """Torch's defaults for a timing: deterministic mode off, so cuDNN and cuBLAS may pick any
     kernel (with ``cudnn.benchmark``, the fastest they find). `setup` turns deterministic mode on
     for the stored outputs; a speed claim is measured as users run. Restores the mode on exit.
-    Taught in ``16_speed_and_memory`` (case K3)."""
+    Used in ``16_speed_and_memory`` (case K3)."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     use_deterministic_algorithms(False)

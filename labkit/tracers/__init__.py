@@ -1,6 +1,6 @@
 """Hook-based gradient tracers: which parameters got a gradient, how big, and when it went wrong.
 
-Three instruments, each taught in a notebook, each in its own module:
+Three instruments, each in its own module, with the notebooks that use them:
 
 - `GradTracer` (``08_gradient_health``, `labkit.tracers.grad_tracer`): per-parameter gradient
   statistics from PyTorch's ``register_post_accumulate_grad_hook``, optional activation statistics
