@@ -8,11 +8,11 @@ The public API is the package level:
   does not start with `_` (a module inside a subpackage, such as `labkit.memory.measure`, is that
   package's implementation).
 
-Each object is declared in one `__all__` only, so it has one spelling.
-docs/API.md lists every public name with the first line of its docstring and the notebooks that use
-it; `python docs/make_api.py --write` regenerates it. A name outside its module's `__all__` is
-internal to labkit (used by labkit itself, its command line or its tests) and may change without
-notice; notebooks and benchmarks use only the public API, which tests/test_public_api.py checks.
+Each object is declared in one `__all__` only, so it has one spelling. docs/API.md lists every
+public name with the first line of its docstring and the notebooks that use it; `python
+docs/make_api.py --write` regenerates it. A name outside its module's `__all__` is internal to
+labkit (used by labkit itself, its command line or its tests) and may change without notice;
+notebooks and benchmarks use only the public API, which tests/test_public_api.py checks.
 
 The names are imported when first read, so `import labkit` (and every `python -m labkit` command
 that needs no instrument) imports no torch; the installed torch's version is checked at import,
