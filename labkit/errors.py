@@ -1,4 +1,4 @@
-"""The one error type labkit raises for bad input.
+"""The one error type labkit raises for bad input, public as `labkit.LabkitError`.
 
 Every message says what was wrong and what to do about it, so a learner reading it in a notebook
 knows the next step without opening labkit's source.

@@ -1,9 +1,9 @@
-"""The machine a run ran on: `fingerprint()` and `format_fingerprint()`.
+"""The machine a run ran on: `fingerprint()` and `format_fingerprint()`, public as `labkit.probes.fingerprint`.
 
 Python, torch, CUDA and cuDNN builds, the GPU and its driver, the CPU and the cores this process may
 use, and torch's determinism flags, each with the reason when it cannot be had. Every notebook
 prints it in an ignored cell, and `python -m labkit repro` stores it beside each run. Used in
-`00_start_here`; `labkit.probes` re-exports both names.
+`00_start_here`; both are declared in `labkit.probes`, their one spelling.
 """
 
 from __future__ import annotations
