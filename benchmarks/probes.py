@@ -21,8 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from labkit import probes  # noqa: E402
-from labkit.readings import Reading  # noqa: E402
+from labkit import (
+    Reading,  # noqa: E402
+    probes,  # noqa: E402
+)
 
 PROBES = ("copy",) + probes.MATMUL_PRECISIONS
 # Issue 5's acceptance targets, in % of the datasheet ceiling, keyed by labkit's datasheet model.

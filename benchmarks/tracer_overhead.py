@@ -53,8 +53,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from labkit import GradTracer
 from labkit.probes import fingerprint, format_fingerprint
-from labkit.tracers import HISTOGRAM_SAMPLE, GradTracer
+from labkit.tracers import HISTOGRAM_SAMPLE
 
 LAYER_WIDTHS = (784, 2048, 1024, 1024, 10)
 BATCH = 128

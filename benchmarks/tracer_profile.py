@@ -21,7 +21,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from tracer_overhead import MODELS, make_optimizer
 
-from labkit.tracers import GradTracer
+from labkit import GradTracer
 
 
 def self_times_per_step(model_name: str, options: dict | None, warmup: int, steps: int) -> dict[str, float]:

@@ -5,8 +5,9 @@
     python docs/make_api.py --check   # exit 1 when docs/API.md is stale
 
 The public API is what labkit/__init__.py's docstring says: the names in `labkit.__all__`, and
-`labkit.<module>.<name>` for each name in a public module's `__all__` (a module is public when no
-part of its dotted name starts with `_`). For each public module the page gives its one-line job,
+`labkit.<module>.<name>` for each name in a public module's `__all__`, where a public module is one
+level below the package (`labkit.memory`, not `labkit.memory.measure`) and does not start with `_`;
+each object is declared in one `__all__` only. For each public module the page gives its one-line job,
 and for each name its docstring's first line and the notebooks whose py twins
 (notebooks/py/NN_name.py, read by AST, never run) use it. The pointers from a name to the lessons
 that use it are generated, as d2l generates its "Defined in" lines, so they cannot drift.
@@ -64,7 +65,11 @@ def _unimportable(package_name: str) -> None:
 
 
 def is_public(module_name: str) -> bool:
-    return not any(part.startswith("_") for part in module_name.split("."))
+    """The API is the package level: `labkit` and each `labkit.NAME` not starting with `_`. A module inside a
+    subpackage (`labkit.memory.measure`, `labkit.runner.paths`) is its package's implementation: the
+    package's `__all__` is its API."""
+    parts = module_name.split(".")
+    return len(parts) <= 2 and not any(part.startswith("_") for part in parts)
 
 
 def public_modules() -> list[str]:
@@ -149,9 +154,9 @@ def _use_problem(use: Use) -> str | None:
     if use.name.startswith("_"):
         return f"{qualified} is private to labkit: use a public name (see docs/API.md)"
     if not is_public(use.module):
-        return f"{use.module} is a private module: use a public name (see docs/API.md)"
+        return f"{use.module} is a private module: {_public_instead(use.module)}"
     if _is_submodule(use.module, use.name):
-        return None
+        return None if is_public(qualified) else f"{qualified} is a private module: {_public_instead(qualified)}"
     names = declared_names(use.module)
     if names is None:
         return (f"{use.module} declares no __all__, so none of its names is public yet: add `__all__` to "
@@ -160,6 +165,38 @@ def _use_problem(use: Use) -> str | None:
         return (f"{qualified} is not in {use.module}.__all__: use a public name, or add it to __all__ "
                 f"(then `{REGENERATE}`) if users are meant to have it")
     return None
+
+
+def _public_instead(module_name: str) -> str:
+    parts = module_name.split(".")
+    package = ".".join(parts[:2])
+    if len(parts) > 2 and is_public(package):
+        return f"it is {package}'s implementation; use the names in {package}.__all__ (see docs/API.md)"
+    return "use a public name (see docs/API.md)"
+
+
+# ------------------------------------------------------------------ one spelling per object
+
+
+def spellings() -> dict[int, list[str]]:
+    """Each public object (by identity) with every public spelling of it: `MODULE.NAME` for each public
+    module whose `__all__` lists it. Plain values (str, numbers, None) are left out: equal ones may be
+    one object by interning, not by re-export."""
+    found: dict[int, list[str]] = {}
+    for module_name in public_modules():
+        module = importlib.import_module(module_name)
+        for name in declared_names(module_name) or []:
+            value = getattr(module, name, None)
+            if not isinstance(value, (str, bytes, int, float, complex, type(None))):
+                found.setdefault(id(value), []).append(f"{module_name}.{name}")
+    return found
+
+
+def duplicate_spellings() -> list[str]:
+    """One line per public object declared under more than one spelling, with the fix."""
+    return [f"{' and '.join(names)} are one object: keep it in one `__all__` (the spelling the notebooks use), "
+            f"drop it from the others, and run `{REGENERATE}`"
+            for names in spellings().values() if len(names) > 1]
 
 
 @cache
@@ -181,11 +218,18 @@ def notebooks_using(name: str, value: object) -> list[str]:
 
 
 def notebooks_using_module(module_name: str) -> list[str]:
-    """The notebooks that read the module itself or any name in its `__all__`."""
+    """The notebooks that read the module itself, any name in its `__all__`, or an object it defines
+    (`labkit.GradTracer` uses labkit.tracers: each object has one spelling, not always its module's)."""
     module = importlib.import_module(module_name)
     exported = [(name, getattr(module, name, None)) for name in declared_names(module_name) or []]
     return [notebook for notebook, uses in notebook_uses().items()
-            if any(used is module or _exports(exported, name, used) for name, used in uses)]
+            if any(used is module or _exports(exported, name, used) or _defined_in(used, module_name)
+                   for name, used in uses)]
+
+
+def _defined_in(value: object, module_name: str) -> bool:
+    home = getattr(value, "__module__", None) if inspect.isroutine(value) or inspect.isclass(value) else None
+    return isinstance(home, str) and (home == module_name or home.startswith(f"{module_name}."))
 
 
 def _exports(exported: list[tuple[str, object]], name: str, value: object) -> bool:
@@ -220,6 +264,9 @@ def summary(doc: str) -> str:
 
 def pointer_problems(module_name: str) -> list[str]:
     """Each `NN_name` in the module's docstrings that names no notebook, or one that does not use it.
+
+    A docstring points at notebooks as "Used in NN_name": what this checks is use (the notebook's
+    code reads the name), not that the notebook's prose teaches it, so the phrase says use too.
 
     A name's docstring may point only to notebooks that use that name; the module's docstring only
     to notebooks that use the module. A module with nothing to import (empty `__all__`, such as an
@@ -264,10 +311,12 @@ def render() -> str:
         "(`notebooks/py/*.py`, read by AST); do not edit it by hand. tests/test_public_api.py fails when",
         "it is stale.",
         "",
-        "The public API is every name below: `from labkit import NAME` for the names of `labkit`",
-        "itself, and `labkit.MODULE.NAME` (`from labkit.MODULE import NAME`) for the others. Any other",
-        "name in labkit is internal: it may change without notice, and notebooks and benchmarks do not",
-        "use it. \"Used in\" lists the notebooks whose code reads the name.",
+        "The public API is the package level, every name below: `from labkit import NAME` for the names",
+        "of `labkit` itself, and `labkit.MODULE.NAME` (`from labkit.MODULE import NAME`) for the others.",
+        "Each object has one spelling, listed once. A module inside a subpackage (`labkit.memory.measure`)",
+        "is that package's implementation, and any name not listed is internal: it may change without",
+        "notice, and notebooks and benchmarks do not use it. \"Used in\" lists the notebooks whose code",
+        "reads the name.",
         "",
     ]
     for name in modules:

@@ -15,11 +15,11 @@ from labkit.runner.processes import termination_as_interrupt
 INTERRUPTED_EXIT = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
 
 COMMANDS = {
-    "claims": ("labkit.claims", "main", "print every claim verdict stored in the notebooks (--json for JSON)"),
+    "claims": ("labkit.claims_report", "main", "print every claim verdict stored in the notebooks (--json for JSON)"),
     "execute": ("labkit.runner", "execute_main", "sync, execute and normalise notebooks in place (make notebooks)"),
-    "normalise": ("labkit.runner", "normalise_main", "normalise .ipynb files in place (exit 1 if any changed)"),
+    "normalise": ("labkit.runner.normalise_command", "normalise_main", "normalise .ipynb files in place (exit 1 if any changed)"),
     "workbook": ("labkit.runner", "workbook_main", "run every notebook under runs/<name>/ and write the summary"),
-    "repro": ("labkit.runner", "repro_main", "rerun one notebook with validated parameters"),
+    "repro": ("labkit.runner.repro_command", "repro_main", "rerun one notebook with validated parameters"),
     "student": ("labkit.student", "main", "write the student edition (solutions removed)"),
     "progress": ("labkit.course.progress", "main", "re-check a learner's answers: which exercises pass"),
     "course": ("labkit.course.cli", "main", "mark check cells as nbgrader tests, lay out an nbgrader course"),

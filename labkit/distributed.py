@@ -19,7 +19,7 @@ connections use the loopback interface. The processes are forked, so a rank func
 notebook cell works as it is. Each rank runs torch on one thread, and writes whatever it prints to
 a log that a failure report quotes from, so nothing from a rank reaches the notebook's outputs.
 
-Taught in `15_distributed`.
+Used in `15_distributed`.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def run_ranks(fn: Callable, world_size: int = 2, *, args: tuple = (), timeout: f
     returns must pickle (tensors, numbers, dicts of them). Raises `RankFailure`, naming the rank,
     when a rank raises, dies, or when the ranks do not all finish within ``timeout`` seconds; the
     other ranks are then stopped, so the call never outlasts ``timeout`` by more than a few seconds.
-    Taught in `15_distributed`.
+    Used in `15_distributed`.
     """
     _check_request(fn, world_size, args, timeout)
     _remove_orphaned_scratch()

@@ -5,7 +5,7 @@ reader, a broken image or a text-only view gets nothing. Once `labkit.repro.setu
 notebook calls it), a figure is also shown as HTML (``<img alt=...>``, which both JupyterLab and
 nbconvert prefer to the bare PNG) and its plain-text view is the same description instead of
 ``<Figure size 640x480 with 1 Axes>``. `describe(figure, alt)` sets the description; without one it
-is read off the figure: each panel's title, axis labels and legend. Taught in ``15_distributed``.
+is read off the figure: each panel's title, axis labels and legend. Used in ``15_distributed``.
 """
 
 from __future__ import annotations

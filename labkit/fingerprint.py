@@ -1,9 +1,9 @@
-"""The machine a run ran on: `fingerprint()` and `format_fingerprint()`.
+"""The machine a run ran on: `fingerprint()` and `format_fingerprint()`, public as `labkit.probes.fingerprint`.
 
 Python, torch, CUDA and cuDNN builds, the GPU and its driver, the CPU and the cores this process may
 use, and torch's determinism flags, each with the reason when it cannot be had. Every notebook
-prints it in an ignored cell, and `python -m labkit repro` stores it beside each run. Taught in
-`00_start_here`; `labkit.probes` re-exports both names.
+prints it in an ignored cell, and `python -m labkit repro` stores it beside each run. Used in
+`00_start_here`; both are declared in `labkit.probes`, their one spelling.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from labkit.errors import LabkitError
 
-__all__ = ["fingerprint", "format_fingerprint"]
+__all__: list[str] = []  # fingerprint and format_fingerprint are declared in labkit.probes
 
 _FINGERPRINT_KEYS = ("python", "torch", "cuda", "cudnn", "gpu", "driver", "cpu", "flags", "unavailable")
 _NEEDS_CUDA = "needs a CUDA device: torch.cuda.is_available() is False on this machine"
@@ -31,7 +31,7 @@ def fingerprint() -> dict:
     Keys: python, platform, torch, cuda (torch's CUDA build), cudnn, gpu (name, capability, memory,
     multiprocessors, count), driver, cpu (model, cores, torch threads), flags (determinism and TF32
     switches), and ``unavailable``: for every value that is None, the reason it could not be had.
-    Taught in `00_start_here`; `labkit.notebooks.stamp_notebook` stores it in an executed notebook's metadata.
+    Used in `00_start_here`; `labkit.notebooks.stamp_notebook` stores it in an executed notebook's metadata.
     """
     fields = {"cuda": _cuda_build(), "cudnn": _cudnn_version(), "gpu": _gpu_identity(), "driver": _driver_version()}
     cpu = _cpu_identity()

@@ -42,7 +42,7 @@ from labkit._torch_compat import use_deterministic_algorithms
 from labkit.errors import LabkitError
 from labkit.exercises import Exercise, Hint, NotYet, exercise_order, registry
 from labkit.messages import describe_error
-from labkit.notebooks import show_record, stored_records
+from labkit.records import show_record, stored_records
 
 __all__ = ["EXERCISE_NAMESPACE", "check", "score"]
 

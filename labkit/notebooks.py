@@ -1,11 +1,10 @@
-"""The workbook's notebook files: finding them, reading them, the records in their outputs, their pairs.
+"""The workbook's notebook files, tooling side: finding them, normalising them, their jupytext pairs.
 
-Everything that opens an ``NN_name.ipynb`` goes through here: the one glob for the workbook's
-notebooks, the one raw-JSON reader, `stored_records` (the labkit records a notebook stored in its
-outputs, read without executing it) and `show_record` (the other half: how a running notebook
-stores one), `normalise` (what changes from run to run is stripped before a notebook is
-committed), the jupytext pairing with ``notebooks/py/NN_name.py`` and its cell-metadata filter
-(read from the project's ``jupytext.toml``, declared nowhere else), and `stamp_notebook`.
+The one glob for the workbook's notebooks, `normalise` (what changes from run to run is stripped
+before a notebook is committed), the jupytext pairing with ``notebooks/py/NN_name.py`` and its
+cell-metadata filter (read from the checkout's ``jupytext.toml``, declared nowhere else, so this
+tooling runs in a checkout), and `stamp_notebook`. The records a running notebook stores in its
+outputs, and reading them back, are `labkit.records`: a kernel imports that, never this module.
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ import uuid
 from pathlib import Path
 
 from labkit.errors import LabkitError
+from labkit.records import read_notebook_json
 
 __all__ = [
-    "JUPYTEXT_CONFIG",
     "KERNELSPEC",
     "NOTEBOOK_GLOB",
     "WIDGET_VIEW_MIME",
@@ -31,12 +30,9 @@ __all__ = [
     "normalise_file",
     "pair_differences",
     "paired_script",
-    "read_notebook_json",
     "read_paired",
     "select_notebooks",
-    "show_record",
     "stamp_notebook",
-    "stored_records",
     "workbook_notebooks",
     "write_script",
 ]
@@ -45,8 +41,8 @@ NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 """The workbook's notebooks: ``NN_name.ipynb``, in course order when sorted."""
 SCRIPT_FOLDER = "py"
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-JUPYTEXT_CONFIG = Path(__file__).resolve().parents[1] / "jupytext.toml"
-"""The project's jupytext configuration: the pairing and the metadata kept in both files."""
+JUPYTEXT_CONFIG_NAME = "jupytext.toml"
+"""The workbook's jupytext configuration, at the checkout's root: the pairing and the metadata kept in both files."""
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 # Fixed, so a widget's stored model id depends only on where the widget sits in the notebook.
 _WIDGET_NAMESPACE = uuid.UUID("6f1d0c3e-8a52-4d1b-9a57-3b0c1f6e2d41")
@@ -79,76 +75,6 @@ def select_notebooks(names: list[str], folder: str | Path = "notebooks", with_sc
     if not chosen:
         raise LabkitError(f"no notebook matches {' '.join(names)}; have {', '.join(nb.stem for nb in every)}")
     return chosen
-
-
-def read_notebook_json(path: str | Path) -> dict:
-    """A notebook file as plain JSON (no nbformat, no validation); a clear error when it cannot be read."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise LabkitError(f"cannot read notebook {path}: {error}") from error
-
-
-# ---- records stored in outputs ---------------------------------------------------------------
-
-def show_record(text: str, mime: str, payload: dict, html: str | None = None) -> None:
-    """Display ``payload`` under ``mime`` with ``text`` as its plain-text view (and ``html``, when
-    given, as the view a notebook renders); print ``text`` outside IPython.
-
-    The stored output is what `stored_records` reads back later.
-    """
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:  # labkit works without IPython installed: then there is no notebook to store into
-        print(text)
-        return
-    if get_ipython() is None:
-        print(text)
-        return
-    bundle = {"text/plain": text, mime: payload}
-    if html is not None:
-        bundle["text/html"] = html
-    display(bundle, raw=True)
-
-
-def stored_records(notebook: str | Path, mime: str, fields: dict[str, type] | None = None) -> list[dict]:
-    """The records of one mimetype stored in a notebook's outputs, without executing it.
-
-    Each record gets a ``notebook`` key: the notebook's stem. A notebook that is not shaped like
-    one, or a record that is not a JSON object holding ``fields`` (name -> type), is a LabkitError
-    naming the file and the cell.
-    """
-    path = Path(notebook)
-    content = read_notebook_json(path)
-    cells = content.get("cells", []) if isinstance(content, dict) else None
-    if not isinstance(cells, list):
-        raise LabkitError(f"{path} is not a notebook: it holds no list of cells; restore it from a copy or re-run it")
-    found = []
-    for index, cell in enumerate(cells, start=1):
-        outputs = cell.get("outputs", []) if isinstance(cell, dict) else None
-        if not isinstance(outputs, list) or not all(isinstance(output, dict) for output in outputs):
-            raise LabkitError(f"{path} cell {index} is malformed (a cell is an object with a list of outputs)")
-        for output in outputs:
-            data = output.get("data", {})
-            payload = data.get(mime) if isinstance(data, dict) else None
-            if payload is not None:
-                found.append(dict(_checked_record(payload, fields or {}, f"{path} cell {index}"), notebook=path.stem))
-    return found
-
-
-def _checked_record(payload: object, fields: dict[str, type], where: str) -> dict:
-    if not isinstance(payload, dict):
-        raise LabkitError(f"{where}: a stored record must be a JSON object, got {type(payload).__name__}")
-    for name, kind in fields.items():
-        if name not in payload:
-            raise LabkitError(f"{where}: the stored record has no {name!r} field; re-run the cell that wrote it")
-        if not isinstance(payload[name], kind) or (kind is not bool and isinstance(payload[name], bool)):
-            raise LabkitError(
-                f"{where}: the stored record's {name!r} is a {type(payload[name]).__name__}, "
-                f"not a {kind.__name__}; re-run the cell that wrote it"
-            )
-    return payload
 
 
 # ---- what changes from run to run ------------------------------------------------------------
@@ -214,20 +140,34 @@ def normalise_file(path: str | Path) -> bool:
 
 # ---- the jupytext pair -----------------------------------------------------------------------
 
+def jupytext_config_file() -> Path:
+    """The workbook's ``jupytext.toml``: in the current folder or the nearest folder above it, as jupytext
+    finds it. It is the checkout's, not labkit's: an installed labkit ships no notebooks to pair."""
+    here = Path.cwd()
+    for folder in (here, *here.parents):
+        if (folder / JUPYTEXT_CONFIG_NAME).is_file():
+            return folder / JUPYTEXT_CONFIG_NAME
+    raise LabkitError(
+        f"no {JUPYTEXT_CONFIG_NAME} in {here} or any folder above it: labkit's notebook tooling (normalise, "
+        "execute, the jupytext pair) reads the workbook's pairing and kept cell metadata there, so it runs in a "
+        "checkout of the workbook; run it from the checkout (git clone the repository, then cd into it)"
+    )
+
+
 @functools.cache
-def _jupytext_config() -> dict:
+def _read_jupytext_config(path: Path) -> dict:
     import tomllib  # only the tooling needs it, not `import labkit`
 
     try:
-        return tomllib.loads(JUPYTEXT_CONFIG.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as error:
-        raise LabkitError(f"cannot read the project's jupytext configuration {JUPYTEXT_CONFIG}: {error}; "
-                          "labkit's notebook tooling runs from a checkout of the workbook") from error
+        raise LabkitError(f"cannot read the workbook's jupytext configuration {path}: {error}; "
+                          "restore it from the repository (git checkout jupytext.toml)") from error
 
 
 def jupytext_filters() -> dict[str, str]:
     """The notebook and cell metadata filters of ``jupytext.toml``, as jupytext's notebook metadata."""
-    config = _jupytext_config()
+    config = _read_jupytext_config(jupytext_config_file())
     return {key: config[key] for key in ("notebook_metadata_filter", "cell_metadata_filter")}
 
 

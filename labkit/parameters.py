@@ -9,7 +9,7 @@ The help's last comma-separated clauses may state bounds: `at least N`, `at most
 `below N` or `from N to M` (prefixed with `each` for a list). They are written once, there, and read by
 `declared_parameters` both for `python -m labkit repro` and for `check_parameters`, the call in the
 cell right after the parameters cell, which guards plain papermill too (papermill injects its values
-between the two). Taught in 00_start_here.
+between the two). Used in 00_start_here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from labkit.errors import LabkitError
 
-__all__ = ["Parameter", "ParameterError", "check_parameters", "check_values", "declared_parameters"]
+__all__ = ["Parameter", "ParameterError", "check_values", "declared_parameters"]  # and repro.check_parameters
 
 SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 """The annotations a parameter may carry: these, or `list[...]` of one of them."""
@@ -209,7 +209,7 @@ def check_parameters(namespace: Mapping[str, object]) -> None:
     It finds the parameters cell and any cell papermill injected after it among the cells the
     kernel ran, so plain papermill is checked as `python -m labkit repro` is: an injected name the
     cell does not declare, a value of the wrong type or out of bounds raises a one-line
-    `ParameterError` naming the parameter. Taught in 00_start_here.
+    `ParameterError` naming the parameter. Used in 00_start_here.
     """
     cells = _cells_run(namespace)
     found = next(((i, declared) for i, declared in reversed(list(enumerate(map(_typed_cell, cells)))) if declared),

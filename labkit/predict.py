@@ -17,7 +17,7 @@ SAME_ORDER = 3.0  # within this factor, the right order of magnitude
 
 
 def compare_guess(guess, measured, *, what: str, digits: int = 3) -> str:
-    """One sentence comparing `guess` with `measured` (taught in 00_start_here).
+    """One sentence comparing `guess` with `measured` (used in 00_start_here).
 
     `measured` is a number or a bool; `guess` is None (no guess written), or of the same kind.
     Numbers are shown to `digits` significant digits, so the sentence is the same on every machine

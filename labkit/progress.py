@@ -2,7 +2,7 @@
 
 A bar that redraws itself is noise in a stored notebook and breaks nbval; `track` prints a few
 plain, deterministic lines instead (no timings, so stored outputs stay stable). Used by every
-notebook with a training loop; taught in `00_start_here`.
+notebook with a training loop; used in `00_start_here`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from labkit.errors import LabkitError
 
-__all__ = ["Reading", "UnavailableReading"]
+__all__ = ["UnavailableReading"]  # Reading is declared as labkit.Reading
 
 PROVENANCES = ("measured", "estimated", "datasheet", "unavailable")
 

@@ -2,9 +2,9 @@
 
 Every notebook starts with `repro.check_parameters(globals())` (`labkit.parameters`: the values
 papermill or a learner gave, checked against the parameters cell) and `dev = repro.setup(seed=seed,
-device=device)`. Rerunning a notebook
-with other parameters, sweeps and the workbook run live in `labkit.runner`; notebook files in
-`labkit.notebooks`. Taught in `00_start_here`.
+device=device)`. The command
+`python -m labkit repro` (rerunning a notebook with other parameters, sweeps) is
+labkit/runner/repro_command.py, outside the kernel; notebook files are `labkit.notebooks`. Used in `00_start_here`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ from labkit.devices import resolve_device
 from labkit.errors import LabkitError
 from labkit.parameters import check_parameters
 
-__all__ = ["check_parameters", "fastest_kernels", "pick_device", "seed_everything", "setup"]
-
-pick_device = resolve_device
-"""`labkit.devices.resolve_device` under the name repro gave it first."""
+__all__ = ["check_parameters", "fastest_kernels", "seed_everything", "setup"]
 
 
 def seed_everything(seed: int) -> None:
@@ -69,7 +66,7 @@ def fastest_kernels() -> Iterator[None]:
     """Torch's defaults for a timing: deterministic mode off, so cuDNN and cuBLAS may pick any
     kernel (with ``cudnn.benchmark``, the fastest they find). `setup` turns deterministic mode on
     for the stored outputs; a speed claim is measured as users run. Restores the mode on exit.
-    Taught in ``16_speed_and_memory`` (case K3)."""
+    Used in ``16_speed_and_memory`` (case K3)."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     use_deterministic_algorithms(False)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from labkit import LabkitError, claims
+from labkit import LabkitError, claims, claims_report
 
 CLAIM_CELL = (
     "from labkit import claims\n"
@@ -97,7 +97,7 @@ def test_verdicts_are_read_back_from_stored_outputs_without_execution(make_noteb
     notebook, result = executed(make_notebook, tmp_path)
     stored = json.loads(notebook.read_text())["cells"][-1]["outputs"][0]["data"]
     assert "Max |diff| = 0.0 over 8 values." in "".join(stored["text/html"]) and "holds" in "".join(stored["text/plain"])
-    records = claims.collect([notebook])
+    records = claims_report.collect([notebook])
     assert [(r["id"], r["verdict"], r["notebook"]) for r in records] == [("Z1", "holds", "01_fixture")]
     assert result.metrics == {"grad_norm": 1.5}
     cli = subprocess.run([sys.executable, "-m", "labkit", "claims", "--json", str(notebook)],

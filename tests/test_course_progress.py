@@ -117,6 +117,14 @@ def test_a_missing_source_folder_is_a_clear_error(learner, tmp_path):
         progress.recheck_folder(learner, tmp_path / "nowhere")
 
 
+def test_the_default_solutions_are_the_current_checkout_s_not_labkit_s_folder(learner, monkeypatch):
+    """An installed labkit has no notebooks beside it: the default is the checkout the command runs in."""
+    assert progress.DEFAULT_SOURCE == Path("notebooks")
+    monkeypatch.chdir(learner)  # a folder that is no checkout: no notebooks/ in it
+    with pytest.raises(LabkitError, match=r"no solution notebooks in notebooks: .*a checkout holds .*run from the checkout"):
+        progress.recheck_folder(learner)
+
+
 def test_deleted_check_and_text_cells_still_leave_the_answer_graded_and_the_file_untouched(learner):
     edit(learner, answered("00.1"))
 

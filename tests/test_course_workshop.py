@@ -128,3 +128,9 @@ def test_learners_submit_under_their_hub_name_to_the_course_exchange(monkeypatch
     config = PyFileConfigLoader("nbgrader_config.py", path=str(workshop.LEARNER_CONFIG)).load_config()
     assert config.Exchange.root == "/srv/exchange"
     assert (config.CourseDirectory.course_id, config.CourseDirectory.student_id) == ("gradientlab", "ada")
+
+
+def test_a_hub_started_outside_a_checkout_names_the_missing_learner_config(monkeypatch, tmp_path, course):
+    monkeypatch.setattr(workshop, "LEARNER_CONFIG", tmp_path / "site-packages" / "workshop" / "learner")
+    with pytest.raises(LabkitError, match=r"learner/nbgrader_config\.py is missing: the workshop hub runs from a checkout"):
+        workshop.learner_environment(course)

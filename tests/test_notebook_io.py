@@ -1,4 +1,4 @@
-"""labkit.notebooks (notebook files: reading, records, normalising, the jupytext pair, the fingerprint
+"""labkit.notebooks and labkit.records (notebook files: reading, records, normalising, the jupytext pair, the fingerprint
 stamp), the `normalise` command, and labkit.messages."""
 
 import subprocess
@@ -9,7 +9,7 @@ import nbformat
 import pytest
 import torch
 
-from labkit import LabkitError, notebooks, probes
+from labkit import LabkitError, notebooks, probes, records
 from labkit.messages import describe_error, first_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +69,16 @@ def test_the_kept_cell_metadata_comes_from_jupytext_toml():
     assert notebooks.kept_cell_metadata() == ("tags", "nbgrader", "jupyter")
 
 
+def test_the_pairing_config_is_the_checkout_s_found_from_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT / "notebooks" / "py")
+    assert notebooks.jupytext_config_file() == ROOT / "jupytext.toml"
+    monkeypatch.chdir(tmp_path)  # no checkout here: what an installed labkit sees outside one
+    nbformat.write(widget_notebook("a"), tmp_path / "00_x.ipynb")
+    with pytest.raises(LabkitError, match=rf"no jupytext.toml in {tmp_path} or any folder above it: .*runs in a "
+                                          r"checkout of the workbook; run it from the checkout"):
+        notebooks.normalise_file(tmp_path / "00_x.ipynb")
+
+
 def test_stored_records_reads_one_mimetype_and_names_the_notebook(tmp_path):
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("x")
@@ -76,13 +86,13 @@ def test_stored_records_reads_one_mimetype_and_names_the_notebook(tmp_path):
                     nbformat.v4.new_output("display_data", data={"application/x-b+json": {"v": 2}, "text/plain": "b"})]
     nb.cells.append(cell)
     nbformat.write(nb, tmp_path / "07_x.ipynb")
-    assert notebooks.stored_records(tmp_path / "07_x.ipynb", "application/x-a+json") == [{"v": 1, "notebook": "07_x"}]
+    assert records.stored_records(tmp_path / "07_x.ipynb", "application/x-a+json") == [{"v": 1, "notebook": "07_x"}]
     with pytest.raises(LabkitError, match="cannot read notebook"):
-        notebooks.read_notebook_json(tmp_path / "missing.ipynb")
+        records.read_notebook_json(tmp_path / "missing.ipynb")
 
 
 def test_show_record_prints_outside_ipython(capsys):
-    notebooks.show_record("the text", "application/x-a+json", {"v": 1})
+    records.show_record("the text", "application/x-a+json", {"v": 1})
     assert capsys.readouterr().out == "the text\n"
 
 

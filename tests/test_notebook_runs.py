@@ -11,7 +11,7 @@ import pytest
 import torch
 from notebook_runs import TEST_DEVICE, cpu_parameters, run_on_cpu
 
-from labkit import repro
+from labkit import devices
 
 TESTS = Path(__file__).resolve().parent
 
@@ -23,10 +23,10 @@ def gpu_machine(monkeypatch):
 
 
 def test_on_a_gpu_machine_auto_would_pick_the_gpu_so_the_tests_pin_the_cpu(gpu_machine):
-    assert repro.pick_device("auto").type == "cuda"
+    assert devices.resolve_device("auto").type == "cuda"
     parameters = cpu_parameters({"seed": 1, "bug": True})
     assert parameters == {"seed": 1, "bug": True, "device": TEST_DEVICE}
-    assert repro.pick_device(parameters["device"]).type == "cpu"
+    assert devices.resolve_device(parameters["device"]).type == "cpu"
 
 
 def test_a_notebook_test_asking_for_a_gpu_is_refused(gpu_machine):

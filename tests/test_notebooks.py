@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch_names import held_scripts, missing_torch_attributes
 
-from labkit import claims, notebooks, runner
+from labkit import claims, claims_report, notebooks, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = notebooks.workbook_notebooks(ROOT / "notebooks")
@@ -81,7 +81,7 @@ def test_notebook_follows_the_skeleton(notebook):
 
 
 def test_notebook_records_verdicts_for_catalogued_cases(notebook):
-    records = claims.collect([notebook])
+    records = claims_report.collect([notebook])
     assert records, "a notebook records at least one verdict with claims.check"
     family_notebooks = {nb for fam in claims.families().values() for nb in fam["notebooks"]}
     assert notebook.stem in family_notebooks, f"{notebook.stem} is not a planned notebook in cases.json"

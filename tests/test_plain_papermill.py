@@ -22,10 +22,10 @@ import pytest
 from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
 
-from labkit.claims import METRIC_MIME
-from labkit.notebooks import stored_records, workbook_notebooks
+from labkit.notebooks import workbook_notebooks
 from labkit.parameters import ParameterError, check_parameters, check_values, declared_parameters
-from labkit.runner.parameters import notebook_declarations, parameters_cell, validate_parameters
+from labkit.records import METRIC_MIME, stored_records
+from labkit.runner.rerun_parameters import notebook_declarations, parameters_cell, validate_parameters
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 START = NOTEBOOKS / "00_start_here.ipynb"

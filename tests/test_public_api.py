@@ -34,8 +34,27 @@ SCRIPTS = sorted((ROOT / "notebooks" / "py").glob("[0-9][0-9]_*.py")) + sorted((
 
 def test_the_walk_finds_the_instrument_modules():
     # Guards the parametrisations below: a walk that found nothing would make them vacuous.
-    assert {"labkit", "labkit.claims", "labkit.grading", "labkit.exercises", "labkit.exercises.nb00"} <= set(MODULES)
+    assert {"labkit", "labkit.claims", "labkit.grading", "labkit.exercises", "labkit.memory", "labkit.tracers"} <= set(
+        MODULES)
     assert "labkit.__main__" not in MODULES and "labkit._torch_compat" not in MODULES
+    # the package level only: a subpackage's modules are its implementation
+    assert {"labkit.exercises.nb00", "labkit.memory.measure", "labkit.runner.paths"} <= set(api.all_modules())
+    assert not [name for name in MODULES if name.count(".") > 1]
+
+
+def test_each_public_object_has_one_spelling():
+    duplicates = api.duplicate_spellings()
+    assert not duplicates, "\n".join(duplicates)
+    assert len(api.spellings()) > 100, "the check saw almost no objects: it would pass vacuously"
+
+
+def test_the_spelling_check_fails_on_a_re_export(monkeypatch):
+    tracers = importlib.import_module("labkit.tracers")
+    monkeypatch.setattr(tracers, "__all__", [*tracers.__all__, "GradTracer"])
+    assert api.duplicate_spellings() == [
+        "labkit.GradTracer and labkit.tracers.GradTracer are one object: keep it in one `__all__` (the spelling "
+        f"the notebooks use), drop it from the others, and run `{api.REGENERATE}`"
+    ]
 
 
 @pytest.mark.parametrize("module_name", MODULES)
@@ -84,9 +103,15 @@ def test_notebooks_and_benchmarks_use_only_the_public_api(script):
         "from labkit import claims\nclaims.catalogue()\n",
         "from labkit import grading as marking\nmarking.run_check('00.1', print)\n",
         "from labkit.claims import *\n",
+        "from labkit.memory.measure import peak_bytes_during\n",
+        "from labkit.tracers import graph\n",
+        "import labkit.runner.paths\n",
+        "from labkit.tracers import GradTracer\n",
     ],
     ids=["memory._human", "grading._SESSION", "import-as", "dotted", "from-import private", "private module",
-         "from-import outside __all__", "attribute outside __all__", "aliased module", "star import"],
+         "from-import outside __all__", "attribute outside __all__", "aliased module", "star import",
+         "implementation module", "implementation module imported from its package", "dotted implementation module",
+         "a second spelling"],
 )
 def test_the_checker_catches_a_name_outside_the_public_api(snippet):
     assert len(api.api_violations(snippet, "cell")) >= 1, snippet

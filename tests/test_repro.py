@@ -228,4 +228,4 @@ def test_repro_holds_only_the_runtime_and_imports_no_course_tooling():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not imported & {"labkit.claims", "labkit.probes", "labkit.runner", "labkit.notebooks"}, imported
-    assert set(repro.__all__) == {"setup", "check_parameters", "seed_everything", "fastest_kernels", "pick_device"}
+    assert set(repro.__all__) == {"setup", "check_parameters", "seed_everything", "fastest_kernels"}

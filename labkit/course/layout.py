@@ -126,7 +126,9 @@ def _write_course(root: Path, assignment: str, notebooks: dict[str, nbformat.Not
 
 
 def _write_kernel(folder: Path) -> None:
-    """A kernelspec that runs this Python with this checkout's labkit first on the path."""
+    """A kernelspec that runs this Python with the labkit this process imported first on the path: the folder
+    that holds it (a checkout's root, or site-packages for an installed labkit), so nbgrader's kernel grades
+    with the same labkit."""
     import labkit
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ MISSING = "cell missing"
 RECHECKED, STORED = "re-checked", "stored outputs"
 # Which verdict wins when several notebooks (a learner's copies) answer one exercise.
 _RANK = {grading.PASSED: 3, grading.NOT_YET: 2, MISSING: 1, grading.NOT_RUN: 0}
-DEFAULT_SOURCE = Path(__file__).resolve().parents[2] / "notebooks"
+DEFAULT_SOURCE = Path("notebooks")  # the checkout's solution notebooks, as the other commands default to them
 
 
 @dataclass
@@ -77,7 +77,9 @@ def _solutions(source: Path) -> dict[str, student.ExerciseCells]:
     source = Path(source)
     paths = sorted(source.glob(NOTEBOOK_GLOB)) if source.is_dir() else []
     if not paths:
-        raise LabkitError(f"no solution notebooks in {source}: pass --source with the workbook's notebooks/ folder")
+        raise LabkitError(f"no solution notebooks in {source}: re-checking compares each answer with the workbook's "
+                          "solutions, which a checkout holds (an installed labkit does not); run from the checkout, "
+                          "or pass --source with its notebooks/ folder")
     found = {}
     for path in paths:
         found.update(student.find_exercises(nbformat.read(path, as_version=4), path.name))

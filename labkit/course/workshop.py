@@ -23,9 +23,11 @@ from labkit.errors import LabkitError
 
 __all__: list[str] = []
 
-REPO = Path(__file__).resolve().parents[2]
-# The folder on the learners' JUPYTER_CONFIG_PATH: its nbgrader_config.py reads the variables below.
-LEARNER_CONFIG = REPO / "workshop" / "learner"
+# The folder that holds this labkit (a checkout's root, or site-packages): the learners' servers import it.
+LABKIT_PARENT = Path(__file__).resolve().parents[2]
+# The folder on the learners' JUPYTER_CONFIG_PATH: its nbgrader_config.py reads the variables below. It is
+# the checkout's, beside the hub's own configuration: the workshop hub runs from a checkout.
+LEARNER_CONFIG = LABKIT_PARENT / "workshop" / "learner"
 EXCHANGE_VARIABLE = "GRADIENTLAB_EXCHANGE"
 COURSE_ID_VARIABLE = "GRADIENTLAB_COURSE_ID"
 
@@ -107,9 +109,13 @@ def learner_environment(course: Path) -> dict[str, str]:
     """The variables of each learner's server: this checkout's labkit on this Python (the project's
     environment), the learners' nbgrader config folder, and the course's exchange and course ID."""
     exchange, course_id = exchange_of(course)
+    if not (LEARNER_CONFIG / "nbgrader_config.py").is_file():
+        raise LabkitError(f"{LEARNER_CONFIG / 'nbgrader_config.py'} is missing: the workshop hub runs from a checkout of "
+                          "the workbook (its workshop/ folder), not from an installed labkit; clone the repository "
+                          "and start the hub from the checkout (docs/COURSE.md, Workshop on a JupyterHub)")
     scripts = str(Path(sys.executable).parent)
     return {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(LABKIT_PARENT), os.environ.get("PYTHONPATH")])),
         "PATH": os.pathsep.join([scripts, os.environ.get("PATH", os.defpath)]),
         "JUPYTER_CONFIG_PATH": str(LEARNER_CONFIG),
         EXCHANGE_VARIABLE: str(exchange),

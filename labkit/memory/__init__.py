@@ -1,6 +1,6 @@
 """Memory calculators for a training step: exact where they can be, honest where they estimate.
 
-Taught in ``13_memory`` (``02_gradients_accumulate`` uses :func:`saved_bytes` and
+Used in ``13_memory`` (``02_gradients_accumulate`` uses :func:`saved_bytes` and
 :func:`training_state`). One module per method, all re-exported here:
 
 * :func:`saved_tensors` / :func:`saved_bytes` (``saved``): the exact bytes autograd keeps for

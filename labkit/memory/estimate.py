@@ -194,7 +194,7 @@ def estimate_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None
     second step, when the optimizer state exists; the rows are the breakdown at that moment.
     Uses PyTorch's MemTracker when the build has it, else a storage timeline of our own.
     ``int(report)`` is the peak in bytes. ``device`` runs the fake step as if the tensors lived
-    there (a meta-device model estimated with the CPU's or CUDA's kernels). Taught in ``13_memory``.
+    there (a meta-device model estimated with the CPU's or CUDA's kernels). Used in ``13_memory``.
 
     Convolution and recurrent kernels also take private memory while they run (oneDNN reorders
     and scratchpads, im2col buffers, cuDNN workspaces) that is never a tensor, so fake tensors

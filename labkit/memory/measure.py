@@ -108,7 +108,7 @@ def peak_bytes_during(fn: Callable[[], object], device="cpu") -> Reading:
 
     On CPU from the profiler's allocation events (``profile_memory=True``); on CUDA from
     ``torch.cuda`` statistics (reset, run, read). Unavailable, with the reason, where there is
-    nothing to measure. Taught in ``13_memory``. ``fn`` runs in the caller's autograd mode (under
+    nothing to measure. Used in ``13_memory``. ``fn`` runs in the caller's autograd mode (under
     ``torch.no_grad()`` it measures an inference forward).
     """
     if not callable(fn):
@@ -144,7 +144,7 @@ def live_bytes_after_forward(model: nn.Module, *inputs) -> Reading:
 
     The allocator's view of what a forward leaves behind: the saved activations plus the outputs
     nothing saved (compare with ``saved_tensors(...)``, whose ``total + output_only_bytes`` should be
-    the same number). Taught in ``13_memory``.
+    the same number). Used in ``13_memory``.
     """
     _check_model(model)
     _check_inputs(inputs)
@@ -172,7 +172,7 @@ def live_bytes_timeline(phases: Mapping[str, Callable[[], object]]) -> list[tupl
     step": ...}``; they run in that order, each under the profiler, and the result is one
     ``(phase name, bytes alive)`` pair per allocator event, counted from the level before the first
     phase (a phase that frees what an earlier one allocated goes below it). CPU tensors only: a
-    step's memory over time, forward rising, backward falling, the peak where they meet. Taught in
+    step's memory over time, forward rising, backward falling, the peak where they meet. Used in
     ``13_memory``.
     """
     if not isinstance(phases, Mapping) or not phases:
@@ -220,7 +220,7 @@ def measure_step_peak(model: nn.Module, inputs, optimizer="adamw", loss_fn=None)
     Runs two real steps (the model's weights, buffers, grads and RNG are restored afterwards).
     Rows: what is alive when step 2 starts (counted from the live tensors), plus the allocator's
     highest rise during step 2 (profiler events on CPU, ``torch.cuda`` statistics on CUDA). On a
-    device with no allocator to read, the rows say why instead of giving 0. Taught in ``13_memory``.
+    device with no allocator to read, the rows say why instead of giving 0. Used in ``13_memory``.
     """
     _check_model(model)
     inputs = _as_inputs(inputs)

@@ -68,7 +68,7 @@ def plot_reports(*reports: MemoryReport, ax=None):
     Use it to put an estimate next to a measurement. Unavailable rows are left out of the bar and
     named under it. Without ``ax`` the figure is new and not left open in pyplot: it shows once as
     a cell's last value in Jupyter (pyplot's import sets up the inline display), and in a script
-    ``.savefig(...)`` writes it. With ``ax`` it draws there. Taught in ``13_memory``.
+    ``.savefig(...)`` writes it. With ``ax`` it draws there. Used in ``13_memory``.
     """
     from matplotlib.patches import Patch
 

@@ -174,7 +174,7 @@ def saved_tensors(model: nn.Module, *inputs) -> SavedTensors:
     memory once), parameters, buffers and the inputs are left out, and every byte is attributed
     to the module that saved it first. The model's train/eval mode is used as is; gradient mode is
     switched on (under ``torch.no_grad()`` and ``torch.inference_mode()`` too); buffers (BatchNorm
-    statistics) and the RNG are restored afterwards. Works on the meta device too. Taught in
+    statistics) and the RNG are restored afterwards. Works on the meta device too. Used in
     ``13_memory``.
     """
     _check_model(model)
@@ -189,6 +189,6 @@ def saved_tensors(model: nn.Module, *inputs) -> SavedTensors:
 def saved_bytes(model: nn.Module, *inputs) -> int:
     """The exact bytes autograd saves for backward in one ``model(*inputs)``, as an int.
 
-    See :func:`saved_tensors` for the per-module breakdown. Taught in ``13_memory``.
+    See :func:`saved_tensors` for the per-module breakdown. Used in ``13_memory``.
     """
     return saved_tensors(model, *inputs).total

@@ -4,45 +4,45 @@
 results under `runs/`); `make workbook` runs them all and writes a summary; `make notebooks`
 refreshes the committed outputs. The notebooks themselves need only `labkit.repro.setup`.
 
-- `parameters`: the parameters cell and values checked against it;
+- `rerun_parameters`: the parameters cell read from the file, and a rerun's values checked against it;
 - `run`: one papermill run in a child process (`run_notebook`);
 - `paths`: fresh run folders, safe folder names, the proof that a written path is inside its run folder;
 - `processes`: stopping a whole process tree on any platform; SIGTERM handled as Ctrl-C;
-- `sweep`: a grid of runs, tabulated and plotted;
+- `sweeps`: a grid of runs, tabulated and plotted;
 - `cluster`: a sweep's points on a Dask cluster (`--cluster`; the `cluster` extra, imported only when asked for);
 - `summary`: the workbook run's summary files;
 - `execute`: executing a committed notebook in place;
-- `cli`: the command-line entry points.
+- `repro_command`: `python -m labkit repro` (one rerun, or a sweep);
+- `normalise_command`: `python -m labkit normalise` (imports no torch: the pre-commit hook runs it);
+- `cli`: the other commands (`workbook`, `execute`).
 """
 
-from labkit.runner.cli import execute_main, normalise_main, repro_main, workbook_main
-from labkit.runner.cluster import cluster_sweep, parse_cluster
-from labkit.runner.execute import execute_in_place
-from labkit.runner.parameters import notebook_parameters, parameters_cell, parse_value, validate_parameters
-from labkit.runner.run import RunResult, resolve_notebook, run_notebook
-from labkit.runner.summary import write_summary
-from labkit.runner.sweep import grid_points, parse_sweep, plot_sweep, sweep, sweep_table, write_sweep
+from labkit._lazy import lazy_attributes
 
-__all__ = [
-    "RunResult",
-    "cluster_sweep",
-    "execute_in_place",
-    "execute_main",
-    "grid_points",
-    "normalise_main",
-    "notebook_parameters",
-    "parameters_cell",
-    "parse_cluster",
-    "parse_sweep",
-    "parse_value",
-    "plot_sweep",
-    "repro_main",
-    "resolve_notebook",
-    "run_notebook",
-    "sweep",
-    "sweep_table",
-    "validate_parameters",
-    "workbook_main",
-    "write_summary",
-    "write_sweep",
-]
+# Read lazily (PEP 562), so `python -m labkit normalise` imports only what normalising needs: no torch.
+_HOMES = {
+    "cluster_sweep": "labkit.runner.cluster",
+    "parse_cluster": "labkit.runner.cluster",
+    "execute_in_place": "labkit.runner.execute",
+    "execute_main": "labkit.runner.cli",
+    "normalise_main": "labkit.runner.normalise_command",
+    "workbook_main": "labkit.runner.cli",
+    "repro_main": "labkit.runner.repro_command",
+    "notebook_parameters": "labkit.runner.rerun_parameters",
+    "parameters_cell": "labkit.runner.rerun_parameters",
+    "parse_value": "labkit.runner.rerun_parameters",
+    "validate_parameters": "labkit.runner.rerun_parameters",
+    "RunResult": "labkit.runner.run",
+    "resolve_notebook": "labkit.runner.run",
+    "run_notebook": "labkit.runner.run",
+    "write_summary": "labkit.runner.summary",
+    "grid_points": "labkit.runner.sweeps",
+    "parse_sweep": "labkit.runner.sweeps",
+    "plot_sweep": "labkit.runner.sweeps",
+    "sweep": "labkit.runner.sweeps",
+    "sweep_table": "labkit.runner.sweeps",
+    "write_sweep": "labkit.runner.sweeps",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _HOMES)
+
+__all__ = sorted(_HOMES)

@@ -8,7 +8,7 @@ that dask-jobqueue started on Slurm or dask-kubernetes on Kubernetes (docs/RERUN
 On the worker a point is `labkit.runner.run.run_notebook` in a scratch folder of its own under the
 worker's local directory: papermill in a child process, the parameters validated, the worker's
 machine fingerprinted. The worker sends back every file of that run folder and removes the scratch
-folder; here they are written under the point's folder, where `labkit.runner.sweep.sweep` puts
+folder; here they are written under the point's folder, where `labkit.runner.sweep` puts
 them, so the table and the plots come from `sweep_table` and `write_sweep` as for a local sweep.
 
 Faults: a notebook that raises is a failed point naming its cell, and the others go on; a worker
@@ -38,10 +38,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from labkit.errors import LabkitError
-from labkit.runner.parameters import validate_parameters
 from labkit.runner.paths import folder_name, inside, new_folder, require_empty_folder
+from labkit.runner.rerun_parameters import validate_parameters
 from labkit.runner.run import RunResult, check_timeout, run_notebook
-from labkit.runner.sweep import grid_points
+from labkit.runner.sweeps import grid_points
 
 __all__ = ["CONNECT_TIMEOUT", "LOCAL_SCRATCH", "ClusterSpec", "cluster_sweep", "parse_cluster"]
 

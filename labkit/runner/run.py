@@ -22,15 +22,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from labkit.claims import CLAIM_MIME, METRIC_MIME
 from labkit.errors import LabkitError
 from labkit.messages import first_line
-from labkit.notebooks import KERNELSPEC, read_notebook_json, select_notebooks, stamp_notebook, stored_records
+from labkit.notebooks import KERNELSPEC, select_notebooks, stamp_notebook
 from labkit.probes import fingerprint
+from labkit.records import CLAIM_MIME, METRIC_MIME, read_notebook_json, stored_records
 from labkit.runner import _papermill_child
-from labkit.runner.parameters import validate_parameters
 from labkit.runner.paths import inside, require_empty_folder
 from labkit.runner.processes import RUN_TAG_VARIABLE, stop_tree
+from labkit.runner.rerun_parameters import validate_parameters
 
 __all__ = ["PAPERMILL_CELL_TAGS", "SCRATCH_FOLDER", "RunResult", "check_timeout", "resolve_notebook", "run_notebook"]
 

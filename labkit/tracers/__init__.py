@@ -1,6 +1,6 @@
 """Hook-based gradient tracers: which parameters got a gradient, how big, and when it went wrong.
 
-Three instruments, each taught in a notebook, each in its own module:
+Three instruments, each in its own module, with the notebooks that use them:
 
 - `GradTracer` (``08_gradient_health``, `labkit.tracers.grad_tracer`): per-parameter gradient
   statistics from PyTorch's ``register_post_accumulate_grad_hook``, optional activation statistics
@@ -12,10 +12,17 @@ Three instruments, each taught in a notebook, each in its own module:
 - `autograd_graph` (``01_computation_graph``, `labkit.tracers.graph`): the autograd graph behind a
   tensor, with the tensors each node saved and the parameters the output cannot reach.
 
-This package re-exports every public name of those modules.
+`labkit` declares the instruments themselves (`labkit.GradTracer`, `labkit.compare_grads`,
+`labkit.autograd_graph`, `labkit.plot_grad_*`); this package declares what they return and their
+settings. The modules above are its implementation.
 """
 
-from labkit.tracers.compare import GradComparison, GradDiff, compare_grads
+# The instruments themselves, declared as labkit.GradTracer and so on: labkit/__init__.py reads them here.
+from labkit.tracers.compare import (
+    GradComparison,
+    GradDiff,
+    compare_grads,  # noqa: F401
+)
 from labkit.tracers.grad_tracer import (
     ACTIVATION_KEYS,
     ALERT_KINDS,
@@ -25,10 +32,15 @@ from labkit.tracers.grad_tracer import (
     NUMERIC_GRAD_STATS,
     SATURATED_DERIVATIVE,
     Alert,
-    GradTracer,
+    GradTracer,  # noqa: F401
 )
-from labkit.tracers.graph import AutogradGraph, GraphNode, SavedTensor, autograd_graph
-from labkit.tracers.plots import plot_grad_flow, plot_grad_histograms, plot_grad_stat
+from labkit.tracers.graph import (
+    AutogradGraph,
+    GraphNode,
+    SavedTensor,
+    autograd_graph,  # noqa: F401
+)
+from labkit.tracers.plots import plot_grad_flow, plot_grad_histograms, plot_grad_stat  # noqa: F401
 
 __all__ = [
     "ACTIVATION_KEYS",
@@ -42,12 +54,6 @@ __all__ = [
     "AutogradGraph",
     "GradComparison",
     "GradDiff",
-    "GradTracer",
     "GraphNode",
     "SavedTensor",
-    "autograd_graph",
-    "compare_grads",
-    "plot_grad_flow",
-    "plot_grad_histograms",
-    "plot_grad_stat",
 ]

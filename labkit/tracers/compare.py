@@ -82,7 +82,7 @@ def compare_grads(
     atol: float = 1e-8,
 ) -> GradComparison:
     """Compare two sets of gradients parameter by parameter: eager vs compiled, fp32 vs fp64,
-    accumulated vs full batch. Taught in ``02_gradients_accumulate`` and ``11_compile_drift``.
+    accumulated vs full batch. Used in ``02_gradients_accumulate`` and ``11_compile_drift``.
 
     ``a`` and ``b`` are models (their parameters' ``.grad``, for the parameters that require
     grad) or mappings from name to tensor. Both must hold the same names, shapes and a gradient for

@@ -115,7 +115,7 @@ def autograd_graph(
     output: torch.Tensor,
     params: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> AutogradGraph:
-    """Walk the autograd graph that ``output.backward()`` would traverse. Taught in
+    """Walk the autograd graph that ``output.backward()`` would traverse. Used in
     ``01_computation_graph``.
 
     ``params`` (a model, a dict, or ``model.named_parameters()``) names the leaves and lets the

@@ -16,7 +16,7 @@ __all__ = ["plot_grad_flow", "plot_grad_histograms", "plot_grad_stat"]
 
 def plot_grad_flow(source: GradTracer | list[dict], step: int | None = None) -> Any:
     """Gradient flow per parameter at one step: bars of max |g| and mean |g| on a log scale, and
-    "no grad" under every parameter that received none. Taught in ``08_gradient_health``.
+    "no grad" under every parameter that received none. Used in ``08_gradient_health``.
 
     ``source`` is a tracer or its `GradTracer.history` records. mean |g| is measured on
     full-statistics steps, so ``step`` defaults to the latest one. Returns the figure."""
@@ -50,7 +50,7 @@ def plot_grad_flow(source: GradTracer | list[dict], step: int | None = None) -> 
 def plot_grad_stat(
     source: GradTracer | list[dict], stat: str = "norm", params: Iterable[str] | None = None
 ) -> Any:
-    """One gradient statistic over steps, a line per parameter, log scale. Taught in
+    """One gradient statistic over steps, a line per parameter, log scale. Used in
     ``08_gradient_health``. ``stat`` is one of `NUMERIC_GRAD_STATS`. Returns the figure."""
     if stat not in NUMERIC_GRAD_STATS:
         raise LabkitError(f"unknown statistic {stat!r}: use one of {', '.join(NUMERIC_GRAD_STATS)}")
@@ -76,7 +76,7 @@ def plot_grad_histograms(
 ) -> Any:
     """Histograms of gradient values at one full-statistics step (the latest by default), one
     panel per parameter, log counts; a panel whose counts come from a sample says so in its title
-    ("sampled: 16,384 of 1.2 M values", see ``GradTracer``'s ``histogram_sample``). Taught in
+    ("sampled: 16,384 of 1.2 M values", see ``GradTracer``'s ``histogram_sample``). Used in
     ``08_gradient_health``. Returns the figure."""
     records = [r for r in _selected(_records(source), params) if r["hist_counts"] is not None]
     if not records:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import claims, grading, student
+from labkit import claims_report, grading, records, student
 from labkit.__main__ import main as labkit_main
 from labkit.errors import LabkitError
 
@@ -419,7 +419,7 @@ def test_a_notebook_of_the_wrong_shape_is_a_labkit_error_for_progress_and_claims
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb"):
         grading.course_progress(tmp_path)
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb"):
-        claims.collect([path])
+        claims_report.collect([path])
     assert labkit_main(["claims", str(path)]) == 2
     assert str(path) in capsys.readouterr().err
 
@@ -431,9 +431,9 @@ def test_a_notebook_of_the_wrong_shape_is_a_labkit_error_for_progress_and_claims
     (["Z1", "holds"], "must be a JSON object, got list"),
 ])
 def test_a_malformed_claim_payload_is_a_labkit_error_naming_the_file(tmp_path, payload, problem):
-    path = notebook_with_output(tmp_path / "01_fixture.ipynb", claims.CLAIM_MIME, payload)
+    path = notebook_with_output(tmp_path / "01_fixture.ipynb", records.CLAIM_MIME, payload)
     with pytest.raises(LabkitError, match=rf"01_fixture\.ipynb cell 1: .*{problem}"):
-        claims.collect([path])
+        claims_report.collect([path])
 
 
 @pytest.mark.trial("extra")

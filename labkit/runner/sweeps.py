@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from labkit.errors import LabkitError
-from labkit.runner.parameters import parse_value, validate_parameters
 from labkit.runner.paths import folder_name, inside, new_folder, require_empty_folder, safe_name
+from labkit.runner.rerun_parameters import parse_value, validate_parameters
 from labkit.runner.run import RunResult, check_timeout, run_notebook
 
 __all__ = ["grid_points", "parse_sweep", "plot_sweep", "sweep", "sweep_table", "write_sweep"]

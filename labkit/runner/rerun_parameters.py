@@ -12,8 +12,8 @@ import ast
 from pathlib import Path
 
 from labkit.errors import LabkitError
-from labkit.notebooks import read_notebook_json
 from labkit.parameters import Parameter, check_values, declared_parameters
+from labkit.records import read_notebook_json
 
 __all__ = ["notebook_declarations", "notebook_parameters", "parameters_cell", "parse_value", "validate_parameters"]
 
