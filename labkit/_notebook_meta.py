@@ -195,9 +195,9 @@ def case_order(case_id: str) -> tuple:
 
 def recorded_cases(notebook: Path) -> list[str]:
     """The case IDs whose verdicts the notebook stored in its outputs, in natural order."""
-    from labkit import claims
+    from labkit import claims_report
 
-    return sorted({record["id"] for record in claims.collect([notebook])}, key=case_order)
+    return sorted({record["id"] for record in claims_report.collect([notebook])}, key=case_order)
 
 
 def exercise_count(notebook: Path) -> int:

@@ -58,9 +58,9 @@ def statuses(folder: Path) -> dict[str, str]:
 
 
 def test_an_untouched_edition_is_not_yet_and_an_answer_passes(learner):
-    assert statuses(learner) == {"00.1": grading.NOT_YET, "00.2": grading.NOT_YET}
+    assert statuses(learner) == {"00.1": progress.NOT_YET, "00.2": progress.NOT_YET}
     edit(learner, answered("00.1"))
-    assert statuses(learner) == {"00.1": grading.PASSED, "00.2": grading.NOT_YET}
+    assert statuses(learner) == {"00.1": progress.PASSED, "00.2": progress.NOT_YET}
 
 
 def test_a_faked_check_cell_and_stored_pass_count_for_nothing(learner):
@@ -71,16 +71,16 @@ def test_a_faked_check_cell_and_stored_pass_count_for_nothing(learner):
                 cell.source = "print('passed')"
                 cell.outputs = [nbformat.v4.new_output("display_data", data={grading.GRADE_MIMETYPE: payload})]
     edit(learner, fake)
-    assert statuses(learner)["00.2"] == grading.NOT_YET
+    assert statuses(learner)["00.2"] == progress.NOT_YET
     stored = {row.exercise: row.status for row in progress.stored_report(learner).rows}
-    assert stored["00.2"] == grading.PASSED  # what --stored would have believed
+    assert stored["00.2"] == progress.PASSED  # what --stored would have believed
 
 
 def test_a_copy_of_the_solution_notebook_is_skipped_and_named(learner, capsys):
     shutil.copy(ROOT / "notebooks" / NAME, learner / "00_start_here-Copy1.ipynb")
     report = progress.recheck_folder(learner)
     assert report.skipped == ["00_start_here-Copy1.ipynb"]
-    assert {row.exercise: row.status for row in report.rows}["00.1"] == grading.NOT_YET
+    assert {row.exercise: row.status for row in report.rows}["00.1"] == progress.NOT_YET
     assert labkit_main(["progress", str(learner)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"Re-ran every answer in {learner} through its check (stored outputs ignored).")
@@ -103,7 +103,7 @@ def test_an_answer_cell_that_never_finishes_is_stopped(learner, monkeypatch):
     edit(learner, lambda nb: setattr(next(c for c in nb.cells if student.exercise_id_of(c) == "00.1"), "source",
                                      "# exercise 00.1\nwhile True:\n    pass\n"))
     row = next(row for row in progress.recheck_folder(learner).rows if row.exercise == "00.1")
-    assert row.status == grading.NOT_YET
+    assert row.status == progress.NOT_YET
     assert "the exercise cell did not finish within" in row.message  # 0.5 s of CPU, or 3 s of waiting on a busy machine
 
 
@@ -132,7 +132,7 @@ def test_deleted_check_and_text_cells_still_leave_the_answer_graded_and_the_file
         nb.cells = [cell for cell in nb.cells if cell.cell_type == "code" and 'grading.check(' not in cell.source]
     edit(learner, delete)
     before = (learner / NAME).read_bytes()
-    assert statuses(learner) == {"00.1": grading.PASSED, "00.2": grading.NOT_YET}
+    assert statuses(learner) == {"00.1": progress.PASSED, "00.2": progress.NOT_YET}
     assert (learner / NAME).read_bytes() == before, "labkit progress wrote into the learner's notebook"
 
 

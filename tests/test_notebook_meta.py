@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from labkit import _notebook_meta as meta_module
-from labkit import claims, notebooks
+from labkit import claims, claims_report, notebooks
 from labkit.errors import LabkitError
 from labkit.parameters import check_values, declared_parameters
 
@@ -37,7 +37,7 @@ def parameters_cell_source(notebook: Path) -> str:
 def stored_verdicts(notebook: Path) -> dict[str, set[str]]:
     """Case -> the verdicts the notebook stored (made on a CPU: the stored outputs are CPU runs)."""
     verdicts: dict[str, set[str]] = {}
-    for record in claims.collect([notebook]):
+    for record in claims_report.collect([notebook]):
         verdicts.setdefault(record["id"], set()).add(record["verdict"])
     return verdicts
 

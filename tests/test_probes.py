@@ -21,6 +21,7 @@ import torch
 
 from labkit import probes
 from labkit.errors import LabkitError
+from labkit.probes import _datasheets, _throughput
 from labkit.readings import Reading, UnavailableReading
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
         calls.append(fn())  # the probe's copy must run
         return probes.Timing(0.001, 0.0, 5, "fixed")
 
-    monkeypatch.setattr(probes, "measure_time", fixed_timing)
+    monkeypatch.setattr(_throughput, "measure_time", fixed_timing)
     reading = probes.copy_bandwidth("cpu", size_mib=1)
     assert calls, "the copy was never timed"
     assert reading.value == pytest.approx(2 * 2**20 / 0.001 / 1e9)
@@ -161,7 +162,7 @@ def test_matmul_counts_two_n_cubed_flop_and_runs_fp32_without_tf32(monkeypatch):
         seen.append(torch.get_float32_matmul_precision())
         return probes.Timing(0.002, 0.0, 5, "fixed")
 
-    monkeypatch.setattr(probes, "measure_time", fixed_timing)
+    monkeypatch.setattr(_throughput, "measure_time", fixed_timing)
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")
     try:
@@ -358,11 +359,11 @@ def test_datasheet_ceilings_carry_provenance_and_say_what_is_missing():
 def test_theoretical_bandwidth_from_the_reported_memory_clock_and_bus():
     # An H100 SXM reports a 2619 MHz memory clock on a 5120-bit bus: 3.35 TB/s, its datasheet figure.
     h100 = SimpleNamespace(memory_clock_rate=2_619_000, memory_bus_width=5120)
-    reading = probes._theoretical_bandwidth(h100)
+    reading = _datasheets._theoretical_bandwidth(h100)
     assert reading.provenance == "estimated"
     assert reading.value == pytest.approx(3.352, rel=1e-3)
     silent = SimpleNamespace(memory_clock_rate=0, memory_bus_width=5120)
-    assert probes._theoretical_bandwidth(silent).reason
+    assert _datasheets._theoretical_bandwidth(silent).reason
 
 
 def test_fraction_of_ceiling_converts_units_and_passes_on_reasons():

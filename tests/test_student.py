@@ -15,8 +15,9 @@ from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
 from quick_parameters import QUICK_PARAMETERS
 
-from labkit import grading, student
+from labkit import student
 from labkit.__main__ import main as labkit_main
+from labkit.course import progress
 from labkit.errors import LabkitError
 from labkit.parameters import check_values, declared_parameters
 
@@ -340,5 +341,5 @@ def test_edition_runs_top_to_bottom_with_checks_failing_gracefully(editions, pat
             assert "is not attempted yet" in cell_text(cell)
     score = next(cell for cell in executed.cells if cell.source.strip() == "grading.score()")
     assert f"0/{len(exercise_ids)} exercises passed" in cell_text(score)
-    rows = {row.exercise: row.status for row in grading.course_progress(target.parent)}
-    assert {eid: rows[eid] for eid in exercise_ids} == dict.fromkeys(exercise_ids, grading.NOT_YET)
+    rows = {row.exercise: row.status for row in progress.course_progress(target.parent)}
+    assert {eid: rows[eid] for eid in exercise_ids} == dict.fromkeys(exercise_ids, progress.NOT_YET)

@@ -16,6 +16,9 @@ from labkit.tracers import (
     HISTORY_KEYS,
     NUMERIC_GRAD_STATS,
     GradTracer,
+    _full_statistics,
+    _reductions,
+    _update_ratio,
     autograd_graph,
     compare_grads,
     plot_grad_flow,
@@ -96,10 +99,9 @@ def test_numeric_grad_stats_are_numeric_fields_of_a_history_record():
 
 def test_the_tracer_docstring_states_the_sizes_the_code_uses():
     doc = " ".join(GradTracer.__doc__.split())
-    grad_tracer = tracers.grad_tracer
-    assert f"Gradients of at most {grad_tracer._BATCHED_NUMEL:,} values" in doc
-    assert f"reduced {grad_tracer._CHUNK:,} values at a time" in doc
-    assert f"default `HISTOGRAM_SAMPLE` = {grad_tracer.HISTOGRAM_SAMPLE:,}" in doc
+    assert f"Gradients of at most {_full_statistics._BATCHED_NUMEL:,} values" in doc
+    assert f"reduced {_reductions._CHUNK:,} values at a time" in doc
+    assert f"default `HISTOGRAM_SAMPLE` = {tracers.grad_tracer.HISTOGRAM_SAMPLE:,}" in doc
 
 
 # ------------------------------------------------------------------ statistics
@@ -108,7 +110,7 @@ def test_the_tracer_docstring_states_the_sizes_the_code_uses():
 @pytest.mark.parametrize("chunk", [2**16, 2], ids=["one chunk", "chunks of 2"])
 def test_full_step_statistics_equal_hand_computed_values(monkeypatch, chunk):
     # a large gradient's statistics are reduced chunk by chunk and combined: the same numbers
-    monkeypatch.setattr(tracers.grad_tracer, "_CHUNK", chunk)
+    monkeypatch.setattr(_reductions, "_CHUNK", chunk)
     model = Weighted()
     with GradTracer(model, full_every=1, histogram_bins=4) as tracer:
         model(torch.tensor(GRAD_OF_WEIGHT)).backward()
@@ -633,7 +635,7 @@ def test_update_ratio_is_the_step_size_over_the_weight_size():
 
 @pytest.mark.parametrize("chunk", [2**16, 4], ids=["one chunk", "chunks of 4"])
 def test_a_norm_is_the_same_on_full_and_plain_steps(monkeypatch, chunk):
-    monkeypatch.setattr(tracers.grad_tracer, "_CHUNK", chunk)
+    monkeypatch.setattr(_reductions, "_CHUNK", chunk)
     model = Weighted(10)
     coefficients = torch.linspace(-1.0, 1.0, 10) * 1e-3 + 0.7
     with GradTracer(model, full_every=2) as tracer:
@@ -649,16 +651,16 @@ def test_a_norm_is_the_same_on_full_and_plain_steps(monkeypatch, chunk):
 
 def test_a_gradient_is_never_reduced_in_chunks_too_long_for_an_exact_float32_count():
     # the non-zero count is a float32 sum of ones per chunk: exact only up to 2**24
-    chunk_length = tracers.grad_tracer._chunk_length
+    chunk_length = _reductions._chunk_length
     assert chunk_length(torch.empty(2**25, device="meta")) == 2**24
     assert chunk_length(torch.empty(1000, device="meta")) == 1000
-    assert chunk_length(torch.empty(2**20)) == tracers.grad_tracer._CHUNK
+    assert chunk_length(torch.empty(2**20)) == _reductions._CHUNK
 
 
 @pytest.mark.parametrize("chunk", [2**16, 4], ids=["whole tensors", "chunks of 4"])
 def test_update_ratio_of_every_parameter_matches_a_copy_taken_by_hand(monkeypatch, chunk):
     # a CPU parameter larger than _CHUNK values is copied and differenced chunk by chunk
-    monkeypatch.setattr(tracers.grad_tracer, "_CHUNK", chunk)
+    monkeypatch.setattr(_update_ratio, "_CHUNK", chunk)
     torch.manual_seed(0)
     model = nn.Linear(3, 4)
     model.weight = nn.Parameter(torch.randn(3, 4).t())  # not contiguous: 12 values, 3 chunks of 4
@@ -677,7 +679,7 @@ def test_update_ratio_of_every_parameter_matches_a_copy_taken_by_hand(monkeypatc
 @pytest.mark.parametrize("chunk", [2**16, 4], ids=["whole tensors", "chunks of 4"])
 def test_update_ratio_follows_parameters_converted_in_place(monkeypatch, chunk):
     # model.double() keeps the Parameter objects and changes their dtype between two steps
-    monkeypatch.setattr(tracers.grad_tracer, "_CHUNK", chunk)
+    monkeypatch.setattr(_update_ratio, "_CHUNK", chunk)
     torch.manual_seed(0)
     model = nn.Linear(3, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -878,7 +880,7 @@ def shapes_coefficients(step: int) -> dict[str, torch.Tensor]:
 
 def traced_shapes(monkeypatch, batched: bool) -> tuple[list[dict], bool]:
     if not batched:
-        monkeypatch.setattr(tracers.grad_tracer, "_BATCHED_NUMEL", 0)
+        monkeypatch.setattr(_full_statistics, "_BATCHED_NUMEL", 0)
     model = Shapes()
     with GradTracer(model, full_every=1, histogram_bins=6, histogram_sample=64) as tracer:
         used = tracer._batched is not None

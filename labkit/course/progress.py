@@ -6,7 +6,8 @@ namespace holding only `grading.EXERCISE_NAMESPACE`, and checks the function it 
 `grading.run_check`, as the check cell would. Outputs are never read, so a hand-made "passed" output
 or a check cell replaced by a print counts for nothing. A notebook with an exercise cell identical to
 the solution notebook's (the solutions themselves, or a copy) is skipped and named. ``--stored``
-reads the verdicts the notebooks stored instead: fast, but forgeable, and the report says so.
+reads the verdicts the notebooks stored instead (`course_progress`, from the outputs `grading.check`
+displays): fast, but forgeable, and the report says so.
 """
 
 from __future__ import annotations
@@ -21,18 +22,34 @@ from pathlib import Path
 import nbformat
 
 from labkit import grading, student
+from labkit._check_sandbox import _CheckTimedOut, _time_limit
 from labkit.errors import LabkitError
 from labkit.exercises import exercise_order, registry
 from labkit.messages import describe_error
 from labkit.notebooks import NOTEBOOK_GLOB
+from labkit.records import stored_records
 
 __all__: list[str] = []
 
+PASSED, NOT_YET, NOT_RUN = "passed", "not yet", "not run"
 MISSING = "cell missing"
+# What `--stored` reads from each stored grade payload.
+GRADE_FIELDS = {"exercise": str, "passed": bool, "message": str}
 RECHECKED, STORED = "re-checked", "stored outputs"
 # Which verdict wins when several notebooks (a learner's copies) answer one exercise.
-_RANK = {grading.PASSED: 3, grading.NOT_YET: 2, MISSING: 1, grading.NOT_RUN: 0}
+_RANK = {PASSED: 3, NOT_YET: 2, MISSING: 1, NOT_RUN: 0}
 DEFAULT_SOURCE = Path("notebooks")  # the checkout's solution notebooks, as the other commands default to them
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One exercise's standing in a learner's folder: ``passed``, ``not yet`` or ``not run``."""
+
+    notebook: str
+    exercise: str
+    title: str
+    status: str
+    message: str
 
 
 @dataclass
@@ -40,7 +57,7 @@ class Report:
     """The course's rows, how they were obtained, and the notebooks skipped as solutions."""
 
     method: str
-    rows: list[grading.Progress]
+    rows: list[Progress]
     skipped: list[str] = field(default_factory=list)
 
 
@@ -48,7 +65,7 @@ def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
     """Every registered exercise with its standing in ``folder``, each answer re-run through its check."""
     paths = _learner_notebooks(folder)
     solutions = _solutions(source)
-    best: dict[str, grading.Progress] = {}
+    best: dict[str, Progress] = {}
     skipped = []
     for path in paths:
         answers = _answers(path)
@@ -58,7 +75,7 @@ def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
         for row in _notebook_rows(path, answers, solutions):
             if row.exercise not in best or _RANK[row.status] > _RANK[best[row.exercise].status]:
                 best[row.exercise] = row
-    rows = [best.get(eid) or grading.Progress(spec.notebook, eid, spec.title, grading.NOT_RUN, "")
+    rows = [best.get(eid) or Progress(spec.notebook, eid, spec.title, NOT_RUN, "")
             for eid, spec in registry().items()]
     return Report(RECHECKED, sorted(rows, key=lambda row: exercise_order(row.exercise)), skipped)
 
@@ -95,7 +112,7 @@ def _answers(path: Path) -> dict[str, str]:
     return {eid: cell["source"] for cell in nb.cells if (eid := student.exercise_id_of(cell)) is not None}
 
 
-def _notebook_rows(path: Path, answers: dict[str, str], solutions: dict) -> list[grading.Progress]:
+def _notebook_rows(path: Path, answers: dict[str, str], solutions: dict) -> list[Progress]:
     number = path.name[:2]
     rows = []
     exercises = registry()
@@ -110,11 +127,11 @@ def _notebook_rows(path: Path, answers: dict[str, str], solutions: dict) -> list
                      if strangers else "")
             message = (f"{path.name} has no cell starting '# exercise {eid}' (deleted?); copy it back from a fresh "
                        f"student edition (make student DEST=elsewhere) and answer it again{found}")
-            rows.append(grading.Progress(spec.notebook, eid, spec.title, MISSING, message))
+            rows.append(Progress(spec.notebook, eid, spec.title, MISSING, message))
             continue
         result = recheck(eid, answers[eid], solutions[eid].function, f"{path.name} exercise {eid}")
-        rows.append(grading.Progress(spec.notebook, eid, spec.title,
-                                     grading.PASSED if result.passed else grading.NOT_YET, result.message))
+        rows.append(Progress(spec.notebook, eid, spec.title,
+                                     PASSED if result.passed else NOT_YET, result.message))
     return rows
 
 
@@ -124,9 +141,9 @@ def recheck(exercise_id: str, cell_source: str, function: str, where: str) -> gr
     namespace = dict(grading.EXERCISE_NAMESPACE)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                grading._time_limit(grading.CHECK_TIME_LIMIT_S):
+                _time_limit(grading.CHECK_TIME_LIMIT_S):
             exec(compile(cell_source, where, "exec"), namespace)  # noqa: S102 (the learner's answer, as the kernel ran it)
-    except grading._CheckTimedOut as stopped:
+    except _CheckTimedOut as stopped:
         return grading._not_yet(spec, f"the exercise cell did not finish within {stopped.limit}")
     except KeyboardInterrupt:
         raise
@@ -139,19 +156,84 @@ def recheck(exercise_id: str, cell_source: str, function: str, where: str) -> gr
 
 
 def stored_report(folder: Path) -> Report:
-    """The verdicts the notebooks stored when they ran (`grading.course_progress`): forgeable."""
-    return Report(STORED, grading.course_progress(Path(folder)))
+    """The verdicts the notebooks stored when they ran (`course_progress`): forgeable."""
+    return Report(STORED, course_progress(Path(folder)))
+
+
+def read_grades(path: Path) -> dict[str, dict]:
+    """The grade payloads stored in one executed notebook, by exercise; a later output wins.
+
+    A payload without its fields, or with one of the wrong type, is a LabkitError naming the file.
+    """
+    return {payload["exercise"]: payload for payload in stored_records(path, grading.GRADE_MIMETYPE, GRADE_FIELDS)}
+
+
+def course_progress(folder: Path) -> list[Progress]:
+    """Every exercise of the course with its standing in ``folder``'s executed notebooks."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise LabkitError(f"no folder {folder}: write the student edition with `make student`, then run its notebooks")
+    paths = sorted(folder.glob("*.ipynb"))
+    if not paths:
+        raise LabkitError(f"no notebooks in {folder}: pass the folder that holds your executed student notebooks")
+    known = registry()
+    grades = _merge_grades(paths)
+    rows = [_progress_row(spec.notebook, spec.id, spec.title, grades.get(spec.id)) for spec in known.values()]
+    # A notebook from an older or newer course edition may grade an exercise this labkit does not know.
+    rows += [
+        _progress_row(payload["notebook"], eid, "(not in this labkit)", payload)
+        for eid, payload in grades.items()
+        if eid not in known
+    ]
+    return sorted(rows, key=lambda row: exercise_order(row.exercise))
+
+
+def _merge_grades(paths: list[Path]) -> dict[str, dict]:
+    """Each exercise's verdict across notebooks; a pass anywhere counts, so a saved copy cannot hide it."""
+    grades: dict[str, dict] = {}
+    for path in paths:
+        for exercise_id, payload in read_grades(path).items():
+            if exercise_id not in grades or payload["passed"]:
+                grades[exercise_id] = payload
+    return grades
+
+
+def _progress_row(notebook: str, exercise_id: str, title: str, payload: dict | None) -> Progress:
+    if payload is None:
+        return Progress(notebook, exercise_id, title, NOT_RUN, "")
+    return Progress(notebook, exercise_id, title, PASSED if payload["passed"] else NOT_YET, payload["message"])
 
 
 def describe(report: Report, folder: str) -> str:
     """The report as text: how it was made, the table, and what was skipped."""
     how = (f"Re-ran every answer in {folder} through its check (stored outputs ignored)." if report.method == RECHECKED
            else f"Read the verdicts stored in {folder}'s outputs; they are not re-checked and can be faked.")
-    lines = [how, grading.progress_table(report.rows)]
+    lines = [how, progress_table(report.rows)]
     if report.skipped:
         lines.append(f"Skipped as copies of solution notebooks: {', '.join(report.skipped)}")
     missing = [row.message for row in report.rows if row.status == MISSING]
     return "\n".join(lines + missing)
+
+
+def progress_table(rows: list[Progress]) -> str:
+    """The rows as an aligned text table with a total line."""
+    header = ("notebook", "exercise", "status", "title")
+    lines = [header] + [(row.notebook, row.exercise, row.status, row.title) for row in rows]
+    widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
+    text = ["  ".join(value.ljust(width) for value, width in zip(line, widths)).rstrip() for line in lines]
+    counts = _counts(rows)
+    # Statuses beyond these three (`MISSING`, of a re-checked folder) are counted after them.
+    others = "".join(f", {count} {status}" for status, count in counts.items() if status not in (PASSED, NOT_YET, NOT_RUN))
+    text.append(
+        f"Total: {counts[PASSED]}/{len(rows)} exercises passed "
+        f"({counts[NOT_YET]} not yet, {counts[NOT_RUN]} not run{others})"
+    )
+    return "\n".join(text)
+
+
+def _counts(rows: list[Progress]) -> dict[str, int]:
+    statuses = dict.fromkeys([PASSED, NOT_YET, NOT_RUN] + [row.status for row in rows])
+    return {status: sum(row.status == status for row in rows) for status in statuses}
 
 
 def main(argv: list[str]) -> int:
@@ -165,8 +247,8 @@ def main(argv: list[str]) -> int:
     report = stored_report(Path(args.folder)) if args.stored else recheck_folder(Path(args.folder), Path(args.source))
     if args.json:
         counts = {status: sum(row.status == status for row in report.rows) for status in _RANK}
-        total = {"exercises": len(report.rows), "passed": counts[grading.PASSED], "not_yet": counts[grading.NOT_YET],
-                 "missing": counts[MISSING], "not_run": counts[grading.NOT_RUN]}
+        total = {"exercises": len(report.rows), "passed": counts[PASSED], "not_yet": counts[NOT_YET],
+                 "missing": counts[MISSING], "not_run": counts[NOT_RUN]}
         print(json.dumps({"folder": args.folder, "method": report.method, "skipped": report.skipped,
                           "exercises": [asdict(row) for row in report.rows], "total": total}, indent=2))
     else:

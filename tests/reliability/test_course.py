@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import claims_report, grading, records, student
+from labkit import _check_sandbox, claims_report, grading, records, student
 from labkit.__main__ import main as labkit_main
+from labkit.course import progress
 from labkit.errors import LabkitError
 
 SHORT_LIMIT_S = 1.0
@@ -306,8 +307,8 @@ def test_a_tensor_subclass_that_overrides_torch_functions_does_not_pass():
 @pytest.mark.trial("extra")
 def test_a_parameter_is_still_an_acceptable_tensor_to_return():
     weight = nn.Parameter(torch.ones(2))
-    assert grading._plain([weight, (1, weight)])[0] is weight
-    assert type(grading._plain(np.float64(1.5))) is float
+    assert _check_sandbox._plain([weight, (1, weight)])[0] is weight
+    assert type(_check_sandbox._plain(np.float64(1.5))) is float
 
 
 # ---- the student edition never destroys a learner's work -------------------------------------------
@@ -390,7 +391,7 @@ def test_a_grade_payload_without_passed_is_a_labkit_error_naming_the_file(tmp_pa
     path = notebook_with_output(tmp_path / "00_start_here.ipynb", grading.GRADE_MIMETYPE,
                                 {"exercise": "00.1", "notebook": "00_start_here", "message": "✓"})
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb cell 1: the stored record has no 'passed' field"):
-        grading.course_progress(tmp_path)
+        progress.course_progress(tmp_path)
     assert labkit_main(["progress", str(tmp_path), "--stored"]) == 2
     assert str(path) in capsys.readouterr().err
 
@@ -399,7 +400,7 @@ def test_a_grade_payload_without_passed_is_a_labkit_error_naming_the_file(tmp_pa
 def test_a_grade_payload_that_is_a_string_is_a_labkit_error(tmp_path):
     notebook_with_output(tmp_path / "00_start_here.ipynb", grading.GRADE_MIMETYPE, "passed")
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb cell 1: a stored record must be a JSON object, got str"):
-        grading.course_progress(tmp_path)
+        progress.course_progress(tmp_path)
 
 
 @pytest.mark.trial("extra")
@@ -407,7 +408,7 @@ def test_a_grade_whose_passed_is_a_string_is_a_labkit_error(tmp_path):
     notebook_with_output(tmp_path / "00_start_here.ipynb", grading.GRADE_MIMETYPE,
                          {"exercise": "00.1", "passed": "false", "message": "✗"})
     with pytest.raises(LabkitError, match="'passed' is a str, not a bool"):
-        grading.course_progress(tmp_path)
+        progress.course_progress(tmp_path)
 
 
 @pytest.mark.trial("PR6-7")
@@ -417,7 +418,7 @@ def test_a_notebook_of_the_wrong_shape_is_a_labkit_error_for_progress_and_claims
     path = tmp_path / "00_start_here.ipynb"
     path.write_text(json.dumps(content))
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb"):
-        grading.course_progress(tmp_path)
+        progress.course_progress(tmp_path)
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb"):
         claims_report.collect([path])
     assert labkit_main(["claims", str(path)]) == 2

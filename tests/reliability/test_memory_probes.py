@@ -16,6 +16,7 @@ from labkit import memory, probes
 from labkit._torch_compat import profiler_enabled
 from labkit.errors import LabkitError
 from labkit.memory import workspace
+from labkit.probes import _timing
 from labkit.readings import Reading
 
 
@@ -382,7 +383,7 @@ def test_a_warmup_beyond_its_bound_is_refused(warmup):
 @pytest.mark.trial("extra")
 def test_the_longest_min_run_time_allowed_is_accepted_by_the_check():
     # the bound is a bound, not a refusal of long runs: 60 s passes the check (not timed here)
-    probes._check_timing(warmup=0, min_run_time=60)
+    _timing._check_timing(warmup=0, min_run_time=60)
 
 
 # -- P9e: one sampler, two with-blocks ---------------------------------------------------------------

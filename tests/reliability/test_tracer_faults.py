@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from labkit.errors import LabkitError
-from labkit.tracers import GradTracer, autograd_graph, compare_grads
-from labkit.tracers import grad_tracer as grad_tracer_module
+from labkit.tracers import GradTracer, _hooks, autograd_graph, compare_grads
 
 
 class _FailOnce(torch.autograd.Function):
@@ -124,7 +123,7 @@ def test_parameters_replaced_by_load_state_dict_assign_are_traced():
     assert last[0]["norm"] == pytest.approx(model[0].weight.grad.norm().item())
     assert tracer.alerts("missing") == []
     # The old parameters' ids were released with the hooks; the new ones too, on exit.
-    assert not {id(p) for p in [*old, *model.parameters()]} & grad_tracer_module._TRACED_PARAMS
+    assert not {id(p) for p in [*old, *model.parameters()]} & _hooks._TRACED_PARAMS
     assert _hook_counts(model) == (0, 0)
 
 
@@ -233,7 +232,7 @@ def test_histogram_bins_true_is_not_an_integer():
 
 @pytest.mark.trial("T10c")
 def test_a_tracer_entered_and_never_exited_frees_the_model_and_its_ids():
-    before = set(grad_tracer_module._TRACED_PARAMS)
+    before = set(_hooks._TRACED_PARAMS)
     model = nn.Linear(3, 1)
     ids = {id(p) for p in model.parameters()}
     model_ref = weakref.ref(model)
@@ -241,8 +240,8 @@ def test_a_tracer_entered_and_never_exited_frees_the_model_and_its_ids():
     del model
     gc.collect()
     assert model_ref() is None
-    assert not ids & grad_tracer_module._TRACED_PARAMS
-    assert grad_tracer_module._TRACED_PARAMS == before
+    assert not ids & _hooks._TRACED_PARAMS
+    assert _hooks._TRACED_PARAMS == before
 
 
 @pytest.mark.trial("extra")
@@ -357,7 +356,7 @@ def test_a_refused_tracer_leaves_no_hooks_and_no_ids():
     with pytest.raises(LabkitError):
         GradTracer(model, torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1))
     assert _hook_counts(model) == (0, 0)
-    assert not {id(p) for p in model.parameters()} & grad_tracer_module._TRACED_PARAMS
+    assert not {id(p) for p in model.parameters()} & _hooks._TRACED_PARAMS
 
 
 @pytest.mark.trial("extra")
