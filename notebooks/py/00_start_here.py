@@ -12,7 +12,7 @@
 # | you are | start with |
 # | --- | --- |
 # | a learner working alone | run this notebook top to bottom, then do its two exercises |
-# | an instructor | `make student` writes the edition without solutions; the README has workshop tracks |
+# | an instructor | `make student` writes the edition without solutions; docs/COURSE.md has workshop tracks |
 # | an engineer rerunning one failure | the parameters cell below, and "Run it your way" near the end |
 #
 # **You will learn**
