@@ -1,5 +1,6 @@
 """Shared test settings: GPU tests skip with a reason on a machine without CUDA; files with slow tests
-run first; the session counts the Jupyter kernels its tests start."""
+run first; the session counts the Jupyter kernels its tests start; the student edition is written once
+per session."""
 
 import collections
 import os
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+WORKBOOK = Path(__file__).resolve().parents[1] / "notebooks"
 
 # Every IPython kernel a test starts (papermill, nbclient, nbgrader; in this process or a child) runs the
 # startup files of IPYTHONDIR, and children inherit the variable: one file there appends the test that
@@ -95,3 +98,24 @@ def make_notebook(tmp_path):
     def factory(name, parameters, *cells):
         return write_notebook(tmp_path / f"{name}.ipynb", parameters, *cells)
     return factory
+
+
+@pytest.fixture(scope="session")
+def student_editions(tmp_path_factory) -> dict[Path, Path]:
+    """Each workbook notebook (notebooks/NN_name.ipynb) mapped to its student edition, written once per
+    session: test_student checks its text, and each tests/test_nbNN_*.py runs its fixed side on it, so one
+    papermill run proves both that the edition runs with its checks failing gracefully and that the verdict
+    flips (tests/notebook_runs.py, `run_student_edition_on_cpu`)."""
+    from labkit import student
+
+    destination = tmp_path_factory.mktemp("student")
+    return {WORKBOOK / path.name: path for path in student.write_student_edition(WORKBOOK, destination)}
+
+
+@pytest.fixture(scope="session")
+def kernel_facts(tmp_path_factory):
+    """One small notebook run once per session whose cells hold the facts test_claims, test_figures and
+    test_explorers need a real kernel for (tests/kernel_facts.py)."""
+    from kernel_facts import run_kernel_facts
+
+    return run_kernel_facts(tmp_path_factory.mktemp("kernel_facts"))
