@@ -27,7 +27,9 @@ CHROMIUM := /usr/bin/chromium
 # It leaves out the `lock_only` tests (pyproject.toml): papermill runs of the notebooks at small sizes
 # (a verdict driven both ways by tests/test_nbNN_*.py, the student editions run top to bottom), whose
 # subject is the notebooks' own logic; its nbval runs every notebook at the defaults on the newest
-# releases, which is where a release shows. They were half of the stage's unit-test time.
+# releases, which is where a release shows. They were half of the stage's unit-test time. The tests of
+# repository text and of logic that fakes its stack (the GPU runner's dry run, the torch-range guard) are
+# lock_only too.
 # The first python3.12 that runs: on PATH, else one that pyenv installed (pyenv's shim fails where 3.12 is
 # not the selected version).
 COMPAT_PYTHON ?= $(firstword $(foreach candidate,$(shell command -v python3.12) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(candidate) -c 'print("$(candidate)")' 2>/dev/null)))
