@@ -15,13 +15,14 @@ WORKBOOK = Path(__file__).resolve().parents[1] / "notebooks"
 
 # Every IPython kernel a test starts (papermill, nbclient, nbgrader; in this process or a child) runs the
 # startup files of IPYTHONDIR, and children inherit the variable: one file there appends the test that
-# started it (PYTEST_CURRENT_TEST, inherited too) to a log, read back in the terminal summary. The hub's
-# single-user servers filter their environment, so their kernels are not counted.
+# started it (LABKIT_KERNEL_TEST, else PYTEST_CURRENT_TEST; inherited too) to a log, read back in the terminal
+# summary. The hub's single-user servers filter their environment, so their kernels are not counted.
 KERNEL_COUNTER = """\
 def _labkit_count_kernel():
     import os
     with open(os.environ["LABKIT_KERNEL_LOG"], "a") as log:
-        log.write(os.environ.get("PYTEST_CURRENT_TEST", "outside a test").split(" (")[0] + "\\n")
+        test = os.environ.get("LABKIT_KERNEL_TEST") or os.environ.get("PYTEST_CURRENT_TEST", "outside a test")
+        log.write(test.split(" (")[0] + "\\n")
 _labkit_count_kernel()
 del _labkit_count_kernel
 """
@@ -40,6 +41,14 @@ def pytest_configure(config):
 
 
 KERNEL_LOG = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # A nested pytest (test_notebooks' nbval meta-test, the GPU runner's dry run) sets PYTEST_CURRENT_TEST to
+    # its own items for the kernels it starts; the counting session's test, kept here, names them instead.
+    if item.config.stash.get(KERNEL_LOG, None) is not None:
+        os.environ["LABKIT_KERNEL_TEST"] = item.nodeid
 
 
 def pytest_terminal_summary(terminalreporter, config):
