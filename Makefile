@@ -14,6 +14,9 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanit
 TEST_WORKERS ?= 0
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 UNIT_TESTS := tests -q --ignore=tests/browser
+# The files that hold `serial` tests: the serial stage collects only these, not the whole tree again to
+# run two tests. tests/test_makefile_stages.py fails when a `serial` mark appears in a file not listed here.
+SERIAL_TESTS := tests/test_nb14_data_loading.py
 NB ?=
 PREFER ?=
 NAME ?= workbook
@@ -24,7 +27,9 @@ CHROMIUM := /usr/bin/chromium
 # It leaves out the `lock_only` tests (pyproject.toml): papermill runs of the notebooks at small sizes
 # (a verdict driven both ways by tests/test_nbNN_*.py, the student editions run top to bottom), whose
 # subject is the notebooks' own logic; its nbval runs every notebook at the defaults on the newest
-# releases, which is where a release shows. They were half of the stage's unit-test time.
+# releases, which is where a release shows. They were half of the stage's unit-test time. The tests of
+# repository text and of logic that fakes its stack (the GPU runner's dry run, the torch-range guard) are
+# lock_only too.
 # The first python3.12 that runs: on PATH, else one that pyenv installed (pyenv's shim fails where 3.12 is
 # not the selected version).
 COMPAT_PYTHON ?= $(firstword $(foreach candidate,$(shell command -v python3.12) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(candidate) -c 'print("$(candidate)")' 2>/dev/null)))
@@ -79,13 +84,13 @@ workbook: $(STAMP) ## run every notebook with papermill into runs/$(NAME)/ and w
 test: $(STAMP) ## lint, unit tests, nbval over every notebook, then the workbook in a real browser (what CI runs)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial"
-	$(PY) -m pytest $(UNIT_TESTS) -m serial
+	$(PY) -m pytest $(SERIAL_TESTS) -q -m serial
 	$(PY) -m pytest notebooks -q $(NBVAL)
 	$(MAKE) --no-print-directory test-browser
 
 test-unit: $(STAMP) ## only the unit tests
 	$(PY) -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial"
-	$(PY) -m pytest $(UNIT_TESTS) -m serial
+	$(PY) -m pytest $(SERIAL_TESTS) -q -m serial
 
 test-browser: $(STAMP) ## JupyterLab in headless Chromium: Run All, move a slider (installs Debian's chromium as root)
 	@test -x $(CHROMIUM) || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || echo "Debian's chromium is missing and cannot be installed here: the browser tests skip (LABKIT_REQUIRE_BROWSER=1 makes that a failure)"
@@ -104,7 +109,7 @@ $(COMPAT_STAMP): pyproject.toml constraints-latest.txt
 
 test-compat: $(COMPAT_STAMP) ## unit tests and nbval on the newest releases (Python 3.12, constraints-latest.txt, ~3 GB)
 	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial and not lock_only"
-	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(UNIT_TESTS) -m serial
+	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(SERIAL_TESTS) -q -m serial
 	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
 
 test-gpu: ## GPU-marked tests, nbval over the notebooks and the probe benchmark on a CUDA machine (skips with the reason elsewhere)

@@ -1,5 +1,6 @@
 """Shared test settings: GPU tests skip with a reason on a machine without CUDA; files with slow tests
-run first; the session counts the Jupyter kernels its tests start."""
+run first; the session counts the Jupyter kernels its tests start; the student edition is written once
+per session."""
 
 import collections
 import os
@@ -10,15 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
+WORKBOOK = Path(__file__).resolve().parents[1] / "notebooks"
+
 # Every IPython kernel a test starts (papermill, nbclient, nbgrader; in this process or a child) runs the
 # startup files of IPYTHONDIR, and children inherit the variable: one file there appends the test that
-# started it (PYTEST_CURRENT_TEST, inherited too) to a log, read back in the terminal summary. The hub's
-# single-user servers filter their environment, so their kernels are not counted.
+# started it (LABKIT_KERNEL_TEST, else PYTEST_CURRENT_TEST; inherited too) to a log, read back in the terminal
+# summary. The hub's single-user servers filter their environment, so their kernels are not counted.
 KERNEL_COUNTER = """\
 def _labkit_count_kernel():
     import os
     with open(os.environ["LABKIT_KERNEL_LOG"], "a") as log:
-        log.write(os.environ.get("PYTEST_CURRENT_TEST", "outside a test").split(" (")[0] + "\\n")
+        test = os.environ.get("LABKIT_KERNEL_TEST") or os.environ.get("PYTEST_CURRENT_TEST", "outside a test")
+        log.write(test.split(" (")[0] + "\\n")
 _labkit_count_kernel()
 del _labkit_count_kernel
 """
@@ -37,6 +41,14 @@ def pytest_configure(config):
 
 
 KERNEL_LOG = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # A nested pytest (test_notebooks' nbval meta-test, the GPU runner's dry run) sets PYTEST_CURRENT_TEST to
+    # its own items for the kernels it starts; the counting session's test, kept here, names them instead.
+    if item.config.stash.get(KERNEL_LOG, None) is not None:
+        os.environ["LABKIT_KERNEL_TEST"] = item.nodeid
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -95,3 +107,24 @@ def make_notebook(tmp_path):
     def factory(name, parameters, *cells):
         return write_notebook(tmp_path / f"{name}.ipynb", parameters, *cells)
     return factory
+
+
+@pytest.fixture(scope="session")
+def student_editions(tmp_path_factory) -> dict[Path, Path]:
+    """Each workbook notebook (notebooks/NN_name.ipynb) mapped to its student edition, written once per
+    session: test_student checks its text, and each tests/test_nbNN_*.py runs its fixed side on it, so one
+    papermill run proves both that the edition runs with its checks failing gracefully and that the verdict
+    flips (tests/notebook_runs.py, `run_student_edition_on_cpu`)."""
+    from labkit import student
+
+    destination = tmp_path_factory.mktemp("student")
+    return {WORKBOOK / path.name: path for path in student.write_student_edition(WORKBOOK, destination)}
+
+
+@pytest.fixture(scope="session")
+def kernel_facts(tmp_path_factory):
+    """One small notebook run once per session whose cells hold the facts test_claims, test_figures and
+    test_explorers need a real kernel for (tests/kernel_facts.py)."""
+    from kernel_facts import run_kernel_facts
+
+    return run_kernel_facts(tmp_path_factory.mktemp("kernel_facts"))

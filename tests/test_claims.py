@@ -5,14 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from kernel_facts import CLAIM
 
 from labkit import LabkitError, claims, claims_report
-
-CLAIM_CELL = (
-    "from labkit import claims\n"
-    "claims.check('Z1', verdict='holds', evidence='max |diff| = 0.0 over 8 values')\n"
-    "claims.metric('grad_norm', 1.5)"
-)
 
 
 @pytest.fixture(autouse=True)
@@ -84,22 +79,17 @@ def test_metric_names_must_be_identifiers():
         claims.metric("eval acc", 0.5)
 
 
-def executed(make_notebook, tmp_path, cell=CLAIM_CELL):
-    from labkit.runner import run_notebook
-
-    source = make_notebook("01_fixture", "seed = 0", cell)
-    result = run_notebook(source, tmp_path / "out", timeout=120)
-    assert result.status == "ok", result.error
-    return tmp_path / "out" / "01_fixture.ipynb", result
+# The notebook that records a verdict and a metric is run once per session, with the other facts that
+# need a kernel (tests/kernel_facts.py); these tests read copies of it.
 
 
-def test_verdicts_are_read_back_from_stored_outputs_without_execution(make_notebook, tmp_path):
-    notebook, result = executed(make_notebook, tmp_path)
-    stored = json.loads(notebook.read_text())["cells"][-1]["outputs"][0]["data"]
+def test_verdicts_are_read_back_from_stored_outputs_without_execution(kernel_facts, tmp_path):
+    assert kernel_facts.result.metrics == {"grad_norm": 1.5}
+    notebook = kernel_facts.copy_to(tmp_path)
+    stored = kernel_facts.cell(CLAIM).outputs[0]["data"]
     assert "Max |diff| = 0.0 over 8 values." in "".join(stored["text/html"]) and "holds" in "".join(stored["text/plain"])
     records = claims_report.collect([notebook])
     assert [(r["id"], r["verdict"], r["notebook"]) for r in records] == [("Z1", "holds", "01_fixture")]
-    assert result.metrics == {"grad_norm": 1.5}
     cli = subprocess.run([sys.executable, "-m", "labkit", "claims", "--json", str(notebook)],
                          capture_output=True, text=True, check=True)
     assert json.loads(cli.stdout) == [
@@ -107,8 +97,8 @@ def test_verdicts_are_read_back_from_stored_outputs_without_execution(make_noteb
     ]
 
 
-def test_cli_rejects_a_stored_notebook_with_a_bad_id(make_notebook, tmp_path):
-    notebook, _ = executed(make_notebook, tmp_path)
+def test_cli_rejects_a_stored_notebook_with_a_bad_id(kernel_facts, tmp_path):
+    notebook = kernel_facts.copy_to(tmp_path)
     notebook.write_text(notebook.read_text().replace('"Z1"', '"Q9"'))
     cli = subprocess.run([sys.executable, "-m", "labkit", "claims", "--json", str(notebook)],
                          capture_output=True, text=True)

@@ -9,10 +9,10 @@ import sys
 
 import matplotlib
 import matplotlib.pyplot as plt
-import nbformat
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
+from kernel_facts import EXPLORER, EXPLORER_MOVE
 from traitlets.config import Config
 
 from labkit import LabkitError, explorers
@@ -192,28 +192,12 @@ def test_controls_must_match_the_view(view, controls, message):
         explorers.Explorer(view, controls)
 
 
-def test_in_a_kernel_the_stored_view_follows_a_moved_control(tmp_path):
-    """A real kernel: explore() in one cell, a control moved from the next; nbclient applies the update."""
-    from nbclient import NotebookClient
-
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(source) for source in (
-        "from labkit import explorers\n"
-        "import matplotlib.pyplot as plt\n"
-        "def view(width, kind):\n"
-        "    figure, axis = plt.subplots()\n"
-        "    axis.bar(range(width), range(width))\n"
-        "    print(f'{kind} with {width} bars')\n"
-        "    return figure\n"
-        "explorer = explorers.Explorer(view, {'width': explorers.slider(3, 1, 8), "
-        "'kind': explorers.choice('bars', ['bars', 'columns'])})\n"
-        "explorer.show()",
-        "explorer.controls['width'].value = 5",
-    )]
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = nb.cells[0].outputs
+def test_in_a_kernel_the_stored_view_follows_a_moved_control(kernel_facts):
+    """A real kernel (the session's kernel-facts notebook, run by papermill on nbclient): explore() in one
+    cell, a control moved from the next; nbclient applies the update to the first cell's stored outputs."""
+    outputs = kernel_facts.cell(EXPLORER).outputs
     assert [o.output_type for o in outputs] == ["display_data"] * 3
     assert WIDGET_MIME in outputs[0].data
     assert outputs[1].data["text/plain"] == "width=5 · kind='bars'\nbars with 5 bars"
     assert "image/png" in outputs[2].data
-    assert nb.cells[1].outputs == [], "the redraw went to the explorer's outputs, not to the cell that moved it"
+    assert kernel_facts.cell(EXPLORER_MOVE).outputs == [], "the redraw went to the explorer's outputs, not to the cell that moved it"

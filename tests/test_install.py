@@ -19,6 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 REPOSITORY = PYPROJECT["urls"]["Repository"]
+# For the tests whose subject is labkit's or the repository's own text and logic (the range guard under a
+# faked torch version, the notebooks' first cell, the Makefile's check): the same on every stack, so
+# `make test-compat` leaves them out. What a newer stack can change stays in it: the installed torch
+# importing silently, papermill's stop at the first cell, pip keeping a supported torch.
+same_on_every_stack = pytest.mark.lock_only
 
 
 def first_code_cell(notebook):
@@ -34,6 +39,7 @@ def install_guard(notebook):
 
 # ---- The supported torch range -------------------------------------------------------------------------
 
+@same_on_every_stack
 def test_labkit_checks_the_torch_range_pyproject_declares():
     torch_requirement = next(Requirement(line) for line in PYPROJECT["dependencies"] if line.startswith("torch"))
     lowest, beyond = labkit._SUPPORTED_TORCH
@@ -48,6 +54,7 @@ def import_labkit_under_torch(version):
                           cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
+@same_on_every_stack
 def test_a_torch_below_the_range_makes_import_refuse_with_the_range():
     result = import_labkit_under_torch("2.10.2+cpu")
     assert result.returncode != 0
@@ -56,6 +63,7 @@ def test_a_torch_below_the_range_makes_import_refuse_with_the_range():
     assert "torch 2.10.2+cpu" in last_line
 
 
+@same_on_every_stack
 def test_a_torch_above_the_range_imports_with_a_warning():
     result = import_labkit_under_torch("2.16.0")
     assert result.returncode == 0, result.stderr
@@ -70,6 +78,7 @@ def test_the_installed_torch_imports_silently():
 
 # ---- The notebooks' first cell ---------------------------------------------------------------------------
 
+@same_on_every_stack
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
 def test_the_first_cell_guards_the_labkit_import_and_installs_from_the_declared_repository(notebook):
     source = first_code_cell(notebook).source
@@ -83,6 +92,7 @@ def labkit_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "labkit", None)
 
 
+@same_on_every_stack
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
 def test_without_labkit_the_first_cell_stops_with_the_install_command(labkit_missing, notebook):
     with pytest.raises(ModuleNotFoundError) as stopped:
@@ -93,6 +103,7 @@ def test_without_labkit_the_first_cell_stops_with_the_install_command(labkit_mis
     assert stopped.value.__suppress_context__, "the message stands alone, without the import's own traceback"
 
 
+@same_on_every_stack
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
 def test_on_colab_the_first_cell_installs_labkit_from_the_repository(labkit_missing, monkeypatch, notebook):
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
@@ -153,6 +164,7 @@ def test_installing_the_project_keeps_a_supported_torch_already_there(tmp_path):
 
 # ---- make test-compat without its Python -----------------------------------------------------------------
 
+@same_on_every_stack
 def test_make_test_compat_without_python_3_12_names_the_python_to_install(tmp_path):
     # Neither a missing interpreter nor one of another version gets as far as the recipe's rm -rf of
     # .venv-compat. (A real 3.12 would rebuild it, so the test never passes one.)

@@ -2,12 +2,15 @@
 out of training with bug=True, and nothing is cut with bug=False. The verdicts that do not depend on
 the machine must come out the same with these smaller settings, except A8's, which follows its
 measurement: at width 1 a weight's spectral norm is its only gain, so 2.5^depth is reached exactly
-and the claim holds; at width 16 Gaussian weights fall far short of it."""
+and the claim holds; at width 16 Gaussian weights fall far short of it.
+
+The bug side is the committed notebook's stored run at its defaults (SMALL differs from them only in seed
+and sizes; tests/notebook_runs.py, `stored_run`); the fix runs at SMALL on the student edition."""
 
 from pathlib import Path
 
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_student_edition_on_cpu, stored_run
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_computation_graph.ipynb"
 pytestmark = pytest.mark.lock_only
@@ -20,11 +23,15 @@ MACHINE_INDEPENDENT = {
 
 
 @pytest.mark.parametrize("bug", [True, False])
-def test_detached_block_is_unreachable_only_with_the_bug(tmp_path, bug):
+def test_detached_block_is_unreachable_only_with_the_bug(tmp_path, student_editions, bug):
     # The bug=False run also pools with kernel 2, stride 2, which tiles the 8x8 digits exactly.
     # It also builds A8's stacks one unit wide.
     other = {} if bug else {"pool_kernel": 2, "pool_stride": 2, "width": 1}
-    result = run_on_cpu(NOTEBOOK, tmp_path, dict(SMALL, bug=bug, **other))
+    if bug:
+        result = stored_run(NOTEBOOK)
+        assert result.parameters["bug"] is True
+    else:  # the fix, on the student edition: it also runs as a learner's untouched edition must
+        result = run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, tmp_path, dict(SMALL, bug=bug, **other))
     assert result.status == "ok", result.error
     verdicts = {record["id"]: record["verdict"] for record in result.claims}
     assert {case: verdicts[case] for case in MACHINE_INDEPENDENT} == MACHINE_INDEPENDENT
@@ -34,7 +41,7 @@ def test_detached_block_is_unreachable_only_with_the_bug(tmp_path, bug):
     assert f"{28 if bug else 0} of 64 pixels lie in no window" in uncovered
     if bug:
         assert result.metrics["unreachable_params"] == 2
-        assert result.metrics["missing_grad_alerts"] == 2 * SMALL["steps"]
+        assert result.metrics["missing_grad_alerts"] == 2 * result.parameters["steps"]
         assert result.metrics["first_layer_moved"] is False
     else:
         assert result.metrics["unreachable_params"] == 0

@@ -5,12 +5,16 @@ the same reproductions without those mistakes. The verdicts do not depend on the
 also accumulates a single micro-batch (micro_batches=1), where B4 and B6 follow their measurements:
 one micro-batch is the whole batch, so accumulation equals it in every variant (B4 holds) and a
 micro-batch alone is no noisier than the batch, so B6's noise comparison has nothing to resolve.
+
+The bug side is the committed notebook's stored run at its defaults (four micro-batches; PARAMETERS
+differs from them only in seed and sizes; tests/notebook_runs.py, `stored_run`); the fix runs at
+PARAMETERS on the student edition.
 """
 
 from pathlib import Path
 
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_student_edition_on_cpu, stored_run
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_gradients_accumulate.ipynb"
 pytestmark = pytest.mark.lock_only
@@ -24,10 +28,14 @@ BY_MICRO_BATCHES = {4: {"B4": "partly", "B6": "does-not-hold"}, 1: {"B4": "holds
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["bug", "fixed"])
-def run(request, tmp_path_factory):
+def run(request, tmp_path_factory, student_editions):
     out = tmp_path_factory.mktemp(f"nb02_bug_{request.param}")
-    micro_batches = 4 if request.param else 1
-    result = run_on_cpu(NOTEBOOK, out, {**PARAMETERS, "bug": request.param, "micro_batches": micro_batches})
+    if request.param:
+        result = stored_run(NOTEBOOK)
+        assert result.parameters["bug"] is True and result.parameters["micro_batches"] == 4
+    else:  # the fix, on the student edition: it also runs as a learner's untouched edition must
+        parameters = {**PARAMETERS, "bug": request.param, "micro_batches": 1}
+        result = run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, out, parameters)
     assert result.status == "ok", result.error
     return request.param, result
 
@@ -48,7 +56,7 @@ def test_accumulation_verdicts_follow_the_number_of_micro_batches(run):
 
 def test_forgotten_zero_grad_grows_the_gradient_only_with_the_bug(run):
     bug, result = run
-    steps = PARAMETERS["steps"]
+    steps = result.parameters["steps"]
     if bug:
         assert result.metrics["b1_stale_steps"] == steps - 1
         assert result.metrics["b1_grad_norm_growth"] > 5

@@ -7,7 +7,7 @@ means drift towards the fine-tuning batches, and at batch size 2 the head's test
 from pathlib import Path
 
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_on_cpu, run_student_edition_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_batchnorm_finetuning.ipynb"
 pytestmark = pytest.mark.lock_only
@@ -16,8 +16,11 @@ PARAMETERS = {"seed": 1, "seeds": 1, "batch_size": 2, "pretrain_steps": 200, "fi
 
 
 @pytest.mark.parametrize("bug", [True, False])
-def test_train_mode_backbone_drifts_and_loses_accuracy_only_with_the_bug(tmp_path, bug):
-    result = run_on_cpu(NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug))
+def test_train_mode_backbone_drifts_and_loses_accuracy_only_with_the_bug(tmp_path, student_editions, bug):
+    if bug:
+        result = run_on_cpu(NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug))
+    else:  # the fix, on the student edition: it also runs as a learner's untouched edition must
+        result = run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug))
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts == {"D1": "does-not-hold", "D2": "does-not-hold", "D3": "does-not-hold", "D4": "holds"}

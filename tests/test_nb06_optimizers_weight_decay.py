@@ -11,7 +11,7 @@ runs are the same run and cosine beats nothing.
 from pathlib import Path
 
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_on_cpu, run_student_edition_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "06_optimizers_weight_decay.ipynb"
 pytestmark = pytest.mark.lock_only
@@ -20,8 +20,12 @@ PARAMETERS = {"seed": 2, "steps": 200, "weight_decay": 0.05, "seeds": 1}
 
 
 @pytest.mark.parametrize(("bug", "epochs", "e5"), [(True, 6, "holds"), (False, 1, "does-not-hold")])
-def test_adam_weight_decay_collapses_untrained_weights_only_with_the_bug(tmp_path, bug, epochs, e5):
-    result = run_on_cpu(NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug, epochs=epochs))
+def test_adam_weight_decay_collapses_untrained_weights_only_with_the_bug(tmp_path, student_editions, bug, epochs, e5):
+    parameters = dict(PARAMETERS, bug=bug, epochs=epochs)
+    if bug:
+        result = run_on_cpu(NOTEBOOK, tmp_path, parameters)
+    else:  # the fix, on the student edition: it also runs as a learner's untouched edition must
+        result = run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, tmp_path, parameters)
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts["E1"] == "partly" and verdicts["E2"] == "does-not-hold" and verdicts["E4"] == "does-not-hold"

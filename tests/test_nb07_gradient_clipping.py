@@ -13,7 +13,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_on_cpu, run_student_edition_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_gradient_clipping.ipynb"
 pytestmark = pytest.mark.lock_only
@@ -28,8 +28,9 @@ INF_DEFAULT_IMPORT = (
 )
 
 
-def notebook_whose_clip_grad_norm_defaults_to_inf(folder: Path) -> Path:
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+def notebook_whose_clip_grad_norm_defaults_to_inf(notebook: Path, folder: Path) -> Path:
+    """A copy of `notebook` (the workbook's or its student edition) with the changed import."""
+    nb = nbformat.read(notebook, as_version=4)
     imports = [cell for cell in nb.cells if TORCH_IMPORT in cell.source]
     assert len(imports) == 1, f"the import cell holding {TORCH_IMPORT!r} is gone from {NOTEBOOK.name}"
     imports[0].source = imports[0].source.replace(TORCH_IMPORT, INF_DEFAULT_IMPORT)
@@ -46,14 +47,19 @@ def notebook_whose_clip_grad_norm_defaults_to_inf(folder: Path) -> Path:
                          [(True, "2", 0.5, True), (False, "inf", 0.1, False)])
 # F1's evidence says what clipping did at max_norm: the spike's L2 norm exceeds 1.0 and its inf-norm
 # does not; at max_norm 100 neither is clipped, which the second run checks.
-def test_clipping_before_unscale_stalls_training_only_with_the_bug(tmp_path, bug, default_norm, divergence_lr,
-                                                                   norm_per_tensor):
-    notebook = NOTEBOOK if default_norm == "2" else notebook_whose_clip_grad_norm_defaults_to_inf(tmp_path / "changed")
+def test_clipping_before_unscale_stalls_training_only_with_the_bug(tmp_path, student_editions, bug, default_norm,
+                                                                   divergence_lr, norm_per_tensor):
+    # the fixed side runs on the student edition, which also runs as a learner's untouched edition must
+    source = NOTEBOOK if bug else student_editions[NOTEBOOK]
+    notebook = source if default_norm == "2" else notebook_whose_clip_grad_norm_defaults_to_inf(source, tmp_path / "changed")
     clip_factor = 2.0 if bug else 13.0
     max_norm = 1.0 if bug else 100.0
-    result = run_on_cpu(notebook, tmp_path / "run", {**SMALL, "bug": bug, "divergence_lr": divergence_lr,
-                                                     "norm_per_tensor": norm_per_tensor, "clip_factor": clip_factor,
-                                                     "max_norm": max_norm})
+    parameters = {**SMALL, "bug": bug, "divergence_lr": divergence_lr, "norm_per_tensor": norm_per_tensor,
+                  "clip_factor": clip_factor, "max_norm": max_norm}
+    if bug:
+        result = run_on_cpu(notebook, tmp_path / "run", parameters)
+    else:
+        result = run_student_edition_on_cpu(notebook, NOTEBOOK, tmp_path / "run", parameters)
     assert result.status == "ok", result.error
     assert {c["id"] for c in result.claims} == {"F1", "F2", "F3", "F4"}
     verdicts = {c["id"]: c["verdict"] for c in result.claims}

@@ -5,12 +5,16 @@ with two draws per size the estimate can rise 1.5x from batch 32 to 64 as the cl
 or do neither (untestable). The seeds of the two-draw runs were chosen for the outcome each shows.
 J3's verdict follows the rows an update sees: with a per-device batch whose product asks for more rows
 than the training split has (the last step of an epoch), the update gets fewer rows than the formula
-and its micro-batches are unequal, so the averaged gradient is not the one batch's (does-not-hold)."""
+and its micro-batches are unequal, so the averaged gradient is not the one batch's (does-not-hold).
+
+The bug side is the committed notebook's stored run at its defaults (SMALL differs from them only in seed
+and sizes: batches, draws, steps, and the 64-row global batch split 2 x 4 instead of 4 x 2;
+tests/notebook_runs.py, `stored_run`); the first fixed run is of the student edition."""
 
 from pathlib import Path
 
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_on_cpu, run_student_edition_on_cpu, stored_run
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "12_batch_size.ipynb"
 pytestmark = pytest.mark.lock_only
@@ -27,8 +31,17 @@ SHORT_OF_ROWS = {"per_device_batch": 200}
     (False, {**TWO_DRAWS, "seed": 0}, "partly", {}, "holds"),
     (False, {**TWO_DRAWS, "seed": 3}, "untestable", SHORT_OF_ROWS, "does-not-hold"),
 ])
-def test_summed_loss_scales_the_step_with_the_batch_only_with_the_bug(tmp_path, bug, noise, j2, rows, j3):
-    result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, **noise, **rows, "bug": bug})
+def test_summed_loss_scales_the_step_with_the_batch_only_with_the_bug(tmp_path, student_editions, bug, noise, j2, rows,
+                                                                      j3):
+    parameters = {**SMALL, **noise, **rows, "bug": bug}
+    if bug:
+        assert not noise and not rows, "the stored run is at the defaults"
+        result = stored_run(NOTEBOOK)
+        assert result.parameters["bug"] is True
+    elif rows:
+        result = run_on_cpu(NOTEBOOK, tmp_path, parameters)
+    else:  # one fixed run on the student edition: it also runs as a learner's untouched edition must
+        result = run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, tmp_path, parameters)
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts["J2"] == j2 and verdicts["J3"] == j3

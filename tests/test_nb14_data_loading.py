@@ -5,7 +5,7 @@ with four workers, items that cost nothing do not (worker hand-off then dominate
 from pathlib import Path
 
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_on_cpu, run_student_edition_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "14_data_loading.ipynb"
 # On two cores beside a second test process (pytest-xdist, or a pip install) the notebook's DataLoader
@@ -16,8 +16,12 @@ SMALL = {"seed": 5, "samples": 64, "batch_size": 32, "epochs": 1, "noisy_samples
 
 
 @pytest.mark.parametrize(("bug", "sleep_ms", "i2"), [(True, 10.0, "partly"), (False, 0.0, "does-not-hold")])
-def test_dataset_owned_generator_duplicates_noise_only_with_the_bug(tmp_path, bug, sleep_ms, i2):
-    result = run_on_cpu(NOTEBOOK, tmp_path, dict(SMALL, bug=bug, sleep_ms=sleep_ms))
+def test_dataset_owned_generator_duplicates_noise_only_with_the_bug(tmp_path, student_editions, bug, sleep_ms, i2):
+    parameters = dict(SMALL, bug=bug, sleep_ms=sleep_ms)
+    if bug:
+        result = run_on_cpu(NOTEBOOK, tmp_path, parameters)
+    else:  # the fix, on the student edition: it also runs as a learner's untouched edition must
+        result = run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, tmp_path, parameters)
     assert result.status == "ok", result.error
     verdicts = {claim["id"]: claim["verdict"] for claim in result.claims}
     assert verdicts["I1"] == "does-not-hold"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_on_cpu, run_student_edition_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "15_distributed.ipynb"
 pytestmark = pytest.mark.lock_only
@@ -23,9 +23,10 @@ SMALL = {"seed": 2, "per_rank_batch": 8, "steps": 4, "hidden": 16, "timeout_s": 
 ARTICLE_RUN = "args=(norm, lr, article_flags)"
 
 
-def notebook_whose_flags_run_scales_the_lr(folder: Path) -> Path:
-    """A copy in which the run with the article's flags also trains at lr x world_size."""
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+def notebook_whose_flags_run_scales_the_lr(notebook: Path, folder: Path) -> Path:
+    """A copy of `notebook` (the workbook's or its student edition) in which the run with the article's
+    flags also trains at lr x world_size."""
+    nb = nbformat.read(notebook, as_version=4)
     cells = [cell for cell in nb.cells if ARTICLE_RUN in cell.source]
     assert len(cells) == 1, f"the cell running {ARTICLE_RUN!r} is gone from {NOTEBOOK.name}"
     cells[0].source = cells[0].source.replace(ARTICLE_RUN, "args=(norm, lr * world_size, article_flags)")
@@ -38,11 +39,16 @@ def notebook_whose_flags_run_scales_the_lr(folder: Path) -> Path:
 # closes the gap), O2b (count_ranks), besides the bug switch's loss gap.
 @pytest.mark.parametrize(("bug", "same_rows", "report_rank", "lr_scaled_fix", "count_ranks"), [
     (True, False, 1, False, False), (False, False, 0, True, True), (True, True, 0, False, False)])
-def test_per_rank_batchnorm_moves_the_loss_only_with_the_bug(tmp_path, bug, same_rows, report_rank,
+def test_per_rank_batchnorm_moves_the_loss_only_with_the_bug(tmp_path, student_editions, bug, same_rows, report_rank,
                                                              lr_scaled_fix, count_ranks):
-    notebook = notebook_whose_flags_run_scales_the_lr(tmp_path / "changed") if lr_scaled_fix else NOTEBOOK
-    result = run_on_cpu(notebook, tmp_path / "run", dict(SMALL, bug=bug, same_rows=same_rows,
-                                                          report_rank=report_rank, count_ranks=count_ranks))
+    # the fixed side runs on the student edition, which also runs as a learner's untouched edition must
+    source = NOTEBOOK if bug else student_editions[NOTEBOOK]
+    notebook = notebook_whose_flags_run_scales_the_lr(source, tmp_path / "changed") if lr_scaled_fix else source
+    parameters = dict(SMALL, bug=bug, same_rows=same_rows, report_rank=report_rank, count_ranks=count_ranks)
+    if bug:
+        result = run_on_cpu(notebook, tmp_path / "run", parameters)
+    else:
+        result = run_student_edition_on_cpu(notebook, NOTEBOOK, tmp_path / "run", parameters)
     assert result.status == "ok", result.error
     verdicts = {claim["id"]: claim["verdict"] for claim in result.claims}
     evidence = {claim["id"]: claim["evidence"] for claim in result.claims}

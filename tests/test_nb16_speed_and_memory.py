@@ -1,14 +1,17 @@
 """16_speed_and_memory under papermill with other parameters: the verdicts that need no GPU come from
 exact counts, not from the sizes. K4 is `partly` (checkpointing whole blocks keeps a fraction of the
-memory, with the same gradients; the article's own fx pass fails) for a shallower, narrower stack, and
+memory, with the same gradients; the article's own fx pass fails) at the default stack, and
 `does-not-hold` when a one-row input makes each block's activations smaller than the RNG state
 checkpoint copies per call;
-K7 stays `does-not-hold`; the GPU-only cases record `needs-gpu` on a CPU."""
+K7 stays `does-not-hold`; the GPU-only cases record `needs-gpu` on a CPU.
+
+The first test reads the committed notebook's stored run at its defaults (its sizes and seed were all that
+differed; tests/notebook_runs.py, `stored_run`); the one-row run is of the student edition."""
 
 from pathlib import Path
 
 import pytest
-from notebook_runs import run_on_cpu
+from notebook_runs import run_student_edition_on_cpu, stored_run
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "16_speed_and_memory.ipynb"
 pytestmark = pytest.mark.lock_only
@@ -17,16 +20,15 @@ SMALL = {"seed": 2, "ffn_blocks": 3, "ffn_width": 64, "attention_lengths": [64, 
 ONE_ROW = {**SMALL, "ffn_rows": 1}
 
 
-def run(tmp_path, parameters):
+def verdicts_and_evidence(result):
     """The run's result, its verdicts and its evidence, by case ID."""
-    result = run_on_cpu(NOTEBOOK, tmp_path, parameters)
     assert result.status == "ok", result.error
     return (result, {c["id"]: c["verdict"] for c in result.claims},
             {c["id"]: c["evidence"] for c in result.claims})
 
 
-def test_checkpointing_and_memory_summary_verdicts_hold_at_other_sizes(tmp_path):
-    result, verdicts, evidence = run(tmp_path, SMALL)
+def test_checkpointing_and_memory_summary_verdicts_hold_at_the_default_sizes():
+    result, verdicts, evidence = verdicts_and_evidence(stored_run(NOTEBOOK))
     assert verdicts["K4"] == "partly"
     assert verdicts["K7"] == "does-not-hold"
     assert verdicts["K3"] == verdicts["K5"] == verdicts["K6"] == "needs-gpu"
@@ -34,11 +36,13 @@ def test_checkpointing_and_memory_summary_verdicts_hold_at_other_sizes(tmp_path)
     assert 0 < result.metrics["checkpointed_blocks_memory_ratio"] < 0.5
     assert "fail with TypeError" in evidence["K4"] and "with the same gradients" in evidence["K4"]
     assert "none about weight decay" in evidence["K7"] and "is the same" in evidence["K7"]
-    assert "at 64" in evidence["K6"] and "at 256" in evidence["K6"]
+    assert all(f"at {length}" in evidence["K6"] for length in result.parameters["attention_lengths"])
 
 
-def test_checkpointing_keeps_more_than_it_frees_on_a_one_row_input(tmp_path):
-    result, verdicts, evidence = run(tmp_path, ONE_ROW)
+def test_checkpointing_keeps_more_than_it_frees_on_a_one_row_input(tmp_path, student_editions):
+    # on the student edition, which also runs as a learner's untouched edition must
+    result, verdicts, evidence = verdicts_and_evidence(
+        run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, tmp_path, ONE_ROW))
     assert verdicts["K4"] == "does-not-hold"
     assert verdicts["K7"] == "does-not-hold"
     # the RNG-state copies, one per checkpointed block, outweigh the activations checkpointing frees

@@ -445,7 +445,10 @@ def test_benchmark_checks_the_h200_targets_only_on_gpu_rows():
 # ------------------------------------------------------------------------------------------ GPU runner
 
 
+# The runner's own logic (.ci/gpu-runner's stages and report), the same on every stack: make test-compat
+# leaves these out (lock_only); the dry run costs a pytest, a benchmark and an nbval start.
 @cpu_machine_only
+@pytest.mark.lock_only
 def test_gpu_runner_skips_cleanly_without_cuda(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "GPU_RUNNER_PYTHON": sys.executable}
@@ -463,6 +466,7 @@ FAKE_CUDA = "import torch\ntorch.cuda.is_available = lambda: True\n"
 
 
 @cpu_machine_only
+@pytest.mark.lock_only
 def test_gpu_runner_runs_and_reports_every_stage_where_torch_claims_cuda(tmp_path):
     # The runner's CUDA path, dry: with no device behind the claim every stage fails quickly, and each
     # must still run, in order, within its limit, and be reported; a GPU session is too short to debug

@@ -13,6 +13,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.lock_only  # repo text (prose against the stored outputs): the same on every stack
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
