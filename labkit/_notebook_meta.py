@@ -9,7 +9,6 @@ itself (docs/AUTHORING.md, "Adding a notebook", describes each field):
 
 - `gpu_sections`: what the notebook's CUDA-only cells measure, in a few words ("" when it has none);
 - `needs_gpu_on_cpu`: the cases whose CPU verdict is exactly `needs-gpu` (tests/notebook_runs.py);
-- `[quick_parameters]`: the smallest sizes it runs top to bottom with (tests/quick_parameters.py);
 - `[typed_numbers_allowed]`: per case, the numbers its evidence may type in, and why
   (tests/test_claim_evidence.py);
 - `[[troubleshooting]]`: symptoms a reader may come with, and the cases that explain them.
@@ -51,7 +50,6 @@ REGENERATE = "python -m labkit._notebook_meta --write"
 FIELDS: dict[str, tuple[type, bool]] = {
     "gpu_sections": (str, True),
     "needs_gpu_on_cpu": (list, True),
-    "quick_parameters": (dict, True),
     "typed_numbers_allowed": (dict, False),
     "troubleshooting": (list, False),
 }
@@ -79,7 +77,6 @@ class NotebookMeta:
     stem: str
     gpu_sections: str
     needs_gpu_on_cpu: tuple[str, ...]
-    quick_parameters: dict[str, object]
     typed_numbers_allowed: dict[str, TypedNumbers]
     troubleshooting: tuple[Symptom, ...]
 
@@ -123,19 +120,13 @@ def read(path: Path) -> NotebookMeta:
                 and entry["symptom"].strip() and isinstance(entry["cases"], list)):
             raise LabkitError(f'{where}: each [[troubleshooting]] has symptom = "..." and cases = [...], got {entry!r}')
         symptoms.append(Symptom(entry["symptom"], tuple(entry["cases"])))
-    return NotebookMeta(path.stem, data["gpu_sections"], tuple(data["needs_gpu_on_cpu"]), data["quick_parameters"],
-                        typed, tuple(symptoms))
+    return NotebookMeta(path.stem, data["gpu_sections"], tuple(data["needs_gpu_on_cpu"]), typed, tuple(symptoms))
 
 
 @functools.cache
 def all_meta() -> dict[str, NotebookMeta]:
     """Every block in notebooks/meta/, by notebook stem, in course order."""
     return {path.stem: read(path) for path in sorted(META.glob("*.toml"))}
-
-
-def quick_parameters() -> dict[str, dict[str, object]]:
-    """Notebook stem -> the smallest parameters it runs top to bottom with."""
-    return {stem: dict(meta.quick_parameters) for stem, meta in all_meta().items()}
 
 
 def needs_a_gpu_on_cpu() -> frozenset[str]:

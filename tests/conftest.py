@@ -2,6 +2,7 @@
 run first; the session counts the Jupyter kernels its tests start; the student edition is written once
 per session."""
 
+import atexit
 import collections
 import os
 import shutil
@@ -32,6 +33,9 @@ def pytest_configure(config):
     if hasattr(config, "workerinput") or "LABKIT_KERNEL_LOG" in os.environ:
         return  # an xdist worker, or a nested pytest: the session that set the counter counts
     ipython_dir = Path(tempfile.mkdtemp(prefix="labkit-test-ipython-"))
+    # Removed at exit, not in pytest_unconfigure: an IPython shell made in this process (nbval, a test)
+    # writes its history there from its own atexit hook, which runs before this earlier-registered one.
+    atexit.register(shutil.rmtree, ipython_dir, ignore_errors=True)
     startup = ipython_dir / "profile_default" / "startup"
     startup.mkdir(parents=True)
     (startup / "00-count-kernel.py").write_text(KERNEL_COUNTER)
@@ -60,12 +64,6 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_sep("-", f"kernel starts: {len(starts)}")
     for name, count in by_file.most_common():
         terminalreporter.write_line(f"{count:4d}  {name}")
-
-
-def pytest_unconfigure(config):
-    log = config.stash.get(KERNEL_LOG, None)
-    if log is not None:
-        shutil.rmtree(log.parent, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,6 @@ import pytest
 from labkit import _notebook_meta as meta_module
 from labkit import claims, claims_report, notebooks
 from labkit.errors import LabkitError
-from labkit.parameters import check_values, declared_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = notebooks.workbook_notebooks(ROOT / "notebooks")
@@ -60,14 +59,6 @@ def test_the_notebook_holds_no_second_block_in_its_own_metadata():
 
 
 # ---- each field is true of its notebook --------------------------------------------------------------
-
-
-def test_quick_parameters_are_declared_typed_and_smaller_than_the_defaults(meta):
-    declared = declared_parameters(parameters_cell_source(meta.notebook), where=meta.stem)
-    assert meta.quick_parameters, "a notebook runs top to bottom at sizes smaller than its defaults: name them"
-    assert check_values(declared, meta.quick_parameters, where=meta.stem) == meta.quick_parameters
-    defaults = [name for name, value in meta.quick_parameters.items() if value == declared[name].default]
-    assert defaults == [], f"{meta.stem}: {defaults} are the defaults already"
 
 
 def test_named_cases_are_catalogued_and_checked_by_this_notebook(meta):
@@ -136,12 +127,12 @@ def test_troubleshooting_symptoms_are_written_the_same_wherever_they_repeat():
 
 
 @pytest.mark.parametrize(("text", "says"), [
-    ('gpu_sections = ""\nneeds_gpu_on_cpu = []\n', "missing field 'quick_parameters'"),
-    ('gpu_sections = ""\nneeds_gpu_on_cpu = []\ngpu = 1\n[quick_parameters]\n', "unknown field(s) ['gpu']"),
-    ('gpu_sections = []\nneeds_gpu_on_cpu = []\n[quick_parameters]\n', "gpu_sections must be a TOML str"),
-    ('gpu_sections = ""\nneeds_gpu_on_cpu = []\n[quick_parameters]\n[typed_numbers_allowed]\nA1 = { numbers = "2" }\n',
+    ('gpu_sections = ""\n', "missing field 'needs_gpu_on_cpu'"),
+    ('gpu_sections = ""\nneeds_gpu_on_cpu = []\ngpu = 1\n', "unknown field(s) ['gpu']"),
+    ('gpu_sections = []\nneeds_gpu_on_cpu = []\n', "gpu_sections must be a TOML str"),
+    ('gpu_sections = ""\nneeds_gpu_on_cpu = []\n[typed_numbers_allowed]\nA1 = { numbers = "2" }\n',
      "with a reason"),
-    ('gpu_sections = ""\nneeds_gpu_on_cpu = []\n[quick_parameters]\n[[troubleshooting]]\nsymptom = "x"\n',
+    ('gpu_sections = ""\nneeds_gpu_on_cpu = []\n[[troubleshooting]]\nsymptom = "x"\n',
      'symptom = "..." and cases = [...]'),
     ("gpu_sections = \n", "is not valid TOML"),
 ])

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from quick_parameters import QUICK_PARAMETERS
 
 from labkit import student
 from labkit.__main__ import main as labkit_main
 from labkit.errors import LabkitError
-from labkit.parameters import check_values, declared_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "notebooks"]
@@ -289,14 +287,3 @@ def test_edition_has_no_solution_text_and_keeps_the_parameters(editions, path):
 def parameters_cell(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     (cell,) = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
     return cell
-
-
-def test_quick_parameters_name_every_notebook_and_only_declared_parameters():
-    notebooks = {param.values[0].stem: param.values[0] for param in source_notebooks()}
-    assert set(QUICK_PARAMETERS) == set(notebooks)
-    for stem, quick in QUICK_PARAMETERS.items():
-        declared = declared_parameters(parameters_cell(nbformat.read(notebooks[stem], 4)).source)
-        checked = check_values(declared, quick, where=stem)
-        assert checked == quick
-        smaller = [name for name, value in quick.items() if value != declared[name].default]
-        assert smaller == list(quick), f"{stem}: {set(quick) - set(smaller)} are the defaults already"
