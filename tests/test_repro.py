@@ -195,6 +195,9 @@ def test_summary_lists_runs_and_claims(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "1/2 ok" in md and "| Z1 | 00_a | holds | 0 diff |" in md and "cell 3 raised ValueError" in md
     assert "<td>Z1</td>" in (tmp_path / "summary.html").read_text()
+    recorded = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert {(run["labkit_version"], run["git_commit"]) for run in recorded} == {(labkit.__version__,
+                                                                              _version.git_commit())}
 
 
 def test_sweep_arguments_parse_into_a_grid():
