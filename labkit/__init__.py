@@ -24,7 +24,11 @@ import warnings
 from importlib import metadata
 
 from labkit._lazy import lazy_attributes
+from labkit._version import labkit_version
 from labkit.errors import LabkitError
+
+__version__ = labkit_version()
+"""The installed labkit's version: pyproject.toml's, read from the distribution's metadata (no torch)."""
 
 # The torch releases labkit is tested on: pyproject.toml's range (tests/test_install.py keeps the two
 # equal). Below it the instruments fail in obscure places (labkit/_torch_compat.py reads private torch

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from labkit._version import describe
 from labkit.errors import LabkitError
 from labkit.runner._papermill_child import skip_unused_slow_imports
 from labkit.runner.processes import termination_as_interrupt
@@ -27,7 +28,7 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m labkit COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: python -m labkit COMMAND [ARGS...]", "       python -m labkit --version", "", "commands:"]
     lines += [f"  {name:<10} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv == ["--version"]:
+        print(describe())  # the version and the git commit: no command module, no torch
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

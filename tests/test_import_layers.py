@@ -140,7 +140,7 @@ def imported_by_command(*args: str, cwd: Path = ROOT) -> tuple[subprocess.Comple
     return result, imported
 
 
-@pytest.mark.parametrize("args", [["--help"], ["claims", "--json"], ["claims", "--catalogue"]],
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["claims", "--json"], ["claims", "--catalogue"]],
                          ids=lambda args: " ".join(args))
 def test_commands_that_read_files_import_no_torch(args):
     result, imported = imported_by_command(*args)

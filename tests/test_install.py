@@ -3,10 +3,13 @@ labkit is missing (a clear message, or on Colab an install), and an install that
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import types
+import zipfile
 from pathlib import Path
 
 import nbformat
@@ -160,6 +163,35 @@ def test_installing_the_project_keeps_a_supported_torch_already_there(tmp_path):
                 for item in json.loads(report.read_text())["install"]}
     assert "labkit" in installs and "numpy" in installs, "the report must list what pip would install"
     assert "torch" not in installs, f"pip would replace the installed torch 2.14.1 with {installs.get('torch')}"
+
+
+# ---- The licence ships with every copy ---------------------------------------------------------------------
+
+def test_the_wheel_and_the_sdist_carry_the_mit_licence(tmp_path):
+    # MIT asks for its notice in every copy: the LICENSE file, named by License-File in the metadata.
+    # Built from a copy of what setuptools reads (no build/ or egg-info left in the checkout), with the
+    # installed setuptools (pyproject's build requirement), through the PEP 517 hooks pip and build call.
+    licence = (ROOT / "LICENSE").read_text()
+    assert licence.startswith("MIT License") and "Copyright (c) 2026 the Gradient Lab authors" in licence
+    assert PYPROJECT["license"] == "MIT" and PYPROJECT["license-files"] == ["LICENSE"]
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "labkit", source / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
+    code = "from setuptools import build_meta as b; b.build_wheel('dist'); b.build_sdist('dist')"
+    result = subprocess.run([sys.executable, "-c", code], cwd=source, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stem = f"labkit-{PYPROJECT['version']}"
+    with zipfile.ZipFile(source / "dist" / f"{stem}-py3-none-any.whl") as wheel:
+        wheel_metadata = wheel.read(f"{stem}.dist-info/METADATA").decode()
+        assert wheel.read(f"{stem}.dist-info/licenses/LICENSE").decode() == licence
+    with tarfile.open(source / "dist" / f"{stem}.tar.gz") as sdist:
+        sdist_metadata = sdist.extractfile(f"{stem}/PKG-INFO").read().decode()
+        assert sdist.extractfile(f"{stem}/LICENSE").read().decode() == licence
+    for metadata in (wheel_metadata, sdist_metadata):
+        assert "License-Expression: MIT" in metadata.splitlines()
+        assert "License-File: LICENSE" in metadata.splitlines()
 
 
 # ---- make test-compat without its Python -----------------------------------------------------------------

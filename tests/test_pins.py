@@ -2,6 +2,9 @@
 releases) pin every package exactly, and each pin must lie inside its range. environment.yml repeats the lock."""
 
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import yaml
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
+HOOK_PYTHON = ".ci/hook-python"  # the git hooks' Python: the checkout's .venv whatever the PATH
 LOCKS = ["constraints.txt", "constraints-latest.txt"]
 
 
@@ -97,9 +101,45 @@ def test_git_hooks_run_pinned_local_tools_and_download_nothing():
     assert [repo["repo"] for repo in config["repos"]] == ["local"]
     assert {hook["language"] for hook in hooks} == {"system"}
     assert not [hook["id"] for hook in hooks if "additional_dependencies" in hook]
+    # each runs the project's Python (.ci/hook-python), never the `python` a commit's PATH happens to give
+    assert not [hook["id"] for hook in hooks if hook["entry"].split()[0] != HOOK_PYTHON], HOOK_PYTHON
     declared = {normalise(r.name) for r in declared_requirements()}
-    tools = {hook["entry"].split()[2].split(".")[0] for hook in hooks if hook["entry"].startswith("python -m ")}
+    tools = {hook["entry"].split()[2].split(".")[0] for hook in hooks if hook["entry"].split()[1] == "-m"}
+    assert {"jupytext", "ruff"} <= tools, "no tool found in the entries: the check below would be vacuous"
     assert tools - {"labkit"} <= declared, f"hooks run tools that pyproject does not declare: {tools - declared}"
+
+
+def plain_path_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A commit's environment from an IDE or an unactivated shell: the system's PATH, no venv, no conda."""
+    return {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PRE_COMMIT_HOME": str(tmp_path / "pre-commit"), **extra}
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "pre-commit").exists(), reason="needs make setup's .venv")
+def test_git_hooks_run_from_a_path_without_the_venv(tmp_path):
+    # Files that only checking hooks take: ruff, the API page (which imports torch) and the notebook table.
+    result = subprocess.run([str(ROOT / ".venv" / "bin" / "pre-commit"), "run", "--files", "labkit/_version.py",
+                             "README.md"], cwd=ROOT, env=plain_path_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    ran = [line for line in result.stdout.splitlines() if line.endswith("Passed")]
+    assert len(ran) == 3 and "No module named" not in result.stdout, result.stdout
+
+
+def test_without_a_venv_the_hooks_say_to_run_make_setup(tmp_path):
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(ROOT / HOOK_PYTHON, tmp_path / HOOK_PYTHON)
+    result = subprocess.run([str(tmp_path / HOOK_PYTHON), "-m", "ruff", "--version"], cwd=tmp_path,
+                            env=plain_path_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"{tmp_path} has no .venv/bin/python" in result.stderr and "run make setup" in result.stderr
+    # an activated environment (conda's, here faked by a venv) is used where the checkout has no .venv
+    active = tmp_path / "env"
+    (active / "bin").mkdir(parents=True)
+    (active / "bin" / "python").symlink_to(sys.executable)
+    result = subprocess.run([str(tmp_path / HOOK_PYTHON), "-c", "print('ran')"], cwd=tmp_path,
+                            env=plain_path_env(tmp_path, CONDA_PREFIX=str(active)), capture_output=True, text=True,
+                            timeout=60)
+    assert (result.returncode, result.stdout) == (0, "ran\n"), result.stderr
 
 
 def test_ci_runs_the_readme_test_commands_on_both_locks():

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from labkit import probes
+from labkit import _version, probes
 from labkit.errors import LabkitError
 from labkit.probes import _datasheets, _throughput
 from labkit.readings import Reading, UnavailableReading
@@ -480,6 +480,7 @@ def test_gpu_runner_runs_and_reports_every_stage_where_torch_claims_cuda(tmp_pat
                             timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     report = (out / "gpu_runner.md").read_text()
+    assert report.splitlines()[2].endswith(f" with {_version.describe()}."), "the report names the code it ran"
     table = report.split("| --- | --- | --- |\n", 1)[1].split("\n\n", 1)[0]
     rows = [row.strip("| ").split(" | ") for row in table.splitlines()]
     assert [row[0] for row in rows] == ["fingerprint", "GPU-marked tests (pytest -m gpu)",

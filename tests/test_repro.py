@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import LabkitError, repro, runner
+import labkit
+from labkit import LabkitError, _version, repro, runner
 from labkit.devices import resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +109,10 @@ def test_a_run_writes_only_under_its_folder_with_the_given_parameters(make_noteb
     assert result.status == "ok", result.error
     assert (tmp_path / "run" / "side_effect.txt").read_text() == "11"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.ipynb", "run"]
-    assert json.loads((tmp_path / "run" / "p.result.json").read_text())["parameters"] == {"steps": 11}
+    record = json.loads((tmp_path / "run" / "p.result.json").read_text())
+    assert record["parameters"] == {"steps": 11}
+    # the code that made it: one source for both, labkit/_version.py (tests/test_version.py)
+    assert (record["labkit_version"], record["git_commit"]) == (labkit.__version__, _version.git_commit())
     machine = json.loads((tmp_path / "run" / "p.fingerprint.json").read_text())
     stamped = json.loads((tmp_path / "run" / "p.ipynb").read_text())["metadata"]["labkit"]["fingerprint"]
     assert machine["torch"] == torch.__version__ and stamped["torch"] == torch.__version__
@@ -191,6 +195,9 @@ def test_summary_lists_runs_and_claims(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "1/2 ok" in md and "| Z1 | 00_a | holds | 0 diff |" in md and "cell 3 raised ValueError" in md
     assert "<td>Z1</td>" in (tmp_path / "summary.html").read_text()
+    recorded = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert {(run["labkit_version"], run["git_commit"]) for run in recorded} == {(labkit.__version__,
+                                                                              _version.git_commit())}
 
 
 def test_sweep_arguments_parse_into_a_grid():
@@ -209,8 +216,10 @@ def test_a_two_by_two_sweep_makes_a_four_row_table_and_a_plot(make_notebook, tmp
     table = runner.sweep_table(results, ["steps", "seed"])
     assert [(row["steps"], row["seed"], row["score"]) for row in table] == [(1, 0, 10), (1, 5, 15), (2, 0, 20), (2, 5, 25)]
     written = runner.write_sweep(table, out)
-    assert {p.name for p in written} == {"sweep.csv", "sweep.json", "sweep_score.png"}
+    assert {p.name for p in written} == {"sweep.csv", "sweep.json", "sweep_score.png"}  # no plot of the code columns
     assert len((out / "sweep.csv").read_text().splitlines()) == 5
+    made_by = {(row["labkit_version"], row["git_commit"]) for row in json.loads((out / "sweep.json").read_text())}
+    assert made_by == {(labkit.__version__, _version.git_commit())}
 
 
 def test_a_sweep_validates_every_point_before_running(make_notebook, tmp_path):

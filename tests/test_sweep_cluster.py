@@ -21,6 +21,7 @@ import pytest
 
 from labkit import LabkitError, runner
 from labkit.runner import cluster
+from labkit.runner.paths import folder_name
 
 pytest.importorskip("distributed", reason="the cluster extra is not installed: pip install 'labkit[cluster]'")
 
@@ -28,6 +29,7 @@ PARAMS = "seed = 0\nsteps = 1"
 RAISES = "if steps == 3 and seed == 5:\n    raise ValueError('steps=3 with seed=5 is the planted failure')"
 METRIC = "from labkit import claims\nclaims.metric('score', steps * 10 + seed)"
 GRID = {"steps": [1, 3], "seed": [0, 5]}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rows_without_timing(out: Path) -> list[dict]:
@@ -75,18 +77,29 @@ def test_the_command_line_refuses_cluster_without_a_sweep_and_with_workers(make_
 
 @pytest.mark.slow
 def test_a_local_cluster_sweep_fails_one_point_and_matches_the_local_runner(make_notebook, tmp_path):
+    # Through the command line, as a user runs it, so that the workers' output is seen too: a sweep that
+    # ends prints no error or traceback (the stop watcher's race, issue #40) and leaves no dask-scratch-space
+    # in the system's temp folder (a folder of the test's own, here, that nothing else writes into).
     nb = make_notebook("p", PARAMS, RAISES, METRIC)
-    lines = []
-    results = cluster.cluster_sweep(nb, GRID, tmp_path / "dask", timeout=300, cluster="local:2",
-                                    progress=lines.append)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    command = [sys.executable, "-m", "labkit", "repro", str(nb), "--sweep", "steps=1,3", "--sweep", "seed=0,5",
+               "--cluster", "local:2", "--timeout", "300", "--out", str(tmp_path / "dask")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(temp))
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    output = finished.stdout + finished.stderr
+    assert finished.returncode == 1, output  # one point failed
+    assert not [word for word in ("ERROR", "Traceback", "Stream is closed", "cannot watch") if word in output], output
+    assert not list(temp.rglob("dask-scratch-space")), "Dask wrote its scratch space outside the sweep folder"
+    results = [runner.RunResult(**json.loads((tmp_path / "dask" / folder_name(point) / "p.result.json").read_text()))
+               for point in runner.grid_points(GRID)]
     assert [r.status for r in results] == ["ok", "ok", "ok", "failed"]
     assert "cell 1 ('if steps == 3 and seed == 5:') raised ValueError: steps=3 with seed=5" in results[3].error
     assert [r.metrics.get("score") for r in results] == [10, 15, 30, None]
-    runner.write_sweep(runner.sweep_table(results, list(GRID)), tmp_path / "dask")
 
     local = runner.sweep(nb, GRID, tmp_path / "local", timeout=300, workers=2)
     runner.write_sweep(runner.sweep_table(local, list(GRID)), tmp_path / "local")
-    assert rows_without_timing(tmp_path / "dask") == rows_without_timing(tmp_path / "local")
+    assert rows_without_timing(tmp_path / "dask") == rows_without_timing(tmp_path / "local")  # labkit and commit too
     assert len(rows_without_timing(tmp_path / "dask")) == 4
     for on_cluster, here in zip(results, local):  # the same files in each point's folder, and no worker path
         folder, local_folder = Path(on_cluster.output).parent, Path(here.output).parent
@@ -95,9 +108,9 @@ def test_a_local_cluster_sweep_fails_one_point_and_matches_the_local_runner(make
         assert "labkit-point-" not in (folder / "p.ipynb").read_text()
         assert (folder / "p.fingerprint.json").exists()
     assert not (tmp_path / "dask" / cluster.LOCAL_SCRATCH).exists(), "the cluster's scratch folder is removed"
+    lines = [line for line in finished.stdout.splitlines() if line.startswith("points: ")]
     assert lines[-1] == "points: 3 done, 0 running, 1 failed, 0 waiting (of 4)"
-    assert any(line.startswith("points: ") and " running" in line and not line.startswith("points: 0 done, 0 running")
-               for line in lines)
+    assert any(" running" in line and not line.startswith("points: 0 done, 0 running") for line in lines), lines
 
 
 KILLABLE = (
@@ -176,7 +189,7 @@ def test_ctrl_c_stops_the_running_point_and_closes_the_cluster_it_started(make_n
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "labkit", "repro", str(nb), "--sweep", "hold=1,2", "--cluster", "local:1",
                "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     # a session of its own, so that the SIGINT below reaches the whole group, as Ctrl-C in a terminal does
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)

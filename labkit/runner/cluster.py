@@ -54,6 +54,8 @@ MAX_TRIES = 2  # a point whose worker died is run once more, then failed
 WORKER_LOOK_SECONDS = 2.0  # how often the client re-reads the cluster's workers (how many points fit at once)
 POLL_SECONDS = 0.25  # how often the client looks at its futures and the workers' start events
 STOP_WAIT_SECONDS = 15.0  # after Ctrl-C, how long running points get to stop and send back what they have
+WATCH_SECONDS = 0.5  # how often a running point asks the scheduler whether the sweep asked it to stop
+WATCH_JOIN_SECONDS = 10.0  # how long a finished point waits for its watcher's last question to be answered
 # A point's tries are its starts on a worker, counted by the point itself (`_run_point`): the
 # scheduler's own count (allowed-failures) charges a worker's death to every point assigned to it,
 # even one queued behind the point it was running, so on a cluster started here it is set high
@@ -124,7 +126,7 @@ def cluster_sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Pa
     existed = Path(out_dir).exists()
     out_dir = require_empty_folder(out_dir, "sweep folder")
     say = progress or (lambda line: None)
-    with _local_settings(spec, distributed):
+    with _local_settings(spec, distributed, out_dir / LOCAL_SCRATCH):
         try:
             client, local = _connect(distributed, spec, connect_timeout, out_dir)
         except BaseException:
@@ -156,6 +158,9 @@ def _connect(distributed, spec: ClusterSpec, connect_timeout: float, out_dir: Pa
         local = distributed.LocalCluster(
             n_workers=spec.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
             scheduler_port=0, dashboard_address=None, memory_limit=0,
+            # the scheduler's HTTP server (health, metrics) runs without a dashboard too: on a free port, not
+            # 8787, where a second sweep or a notebook's cluster would get "Port 8787 is already in use"
+            scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
             local_directory=str(out_dir / LOCAL_SCRATCH), silence_logs=logging.ERROR)
         try:
             return distributed.Client(local, timeout=connect_timeout), local
@@ -182,11 +187,12 @@ def _connect(distributed, spec: ClusterSpec, connect_timeout: float, out_dir: Pa
 
 
 @contextlib.contextmanager
-def _local_settings(spec: ClusterSpec, distributed):
+def _local_settings(spec: ClusterSpec, distributed, scratch: Path):
     """Dask's settings for a cluster started here, for all its life (a worker the nanny restarts reads them too).
 
-    `LOCAL_CLUSTER_CONFIG`, and where the platform has forkserver, workers forked from one process
-    that imported the runner.
+    `LOCAL_CLUSTER_CONFIG`; `scratch` as Dask's temporary directory, so the scheduler's (and every
+    other) dask-scratch-space lies in the sweep folder, not in the system's temp folder; and where the
+    platform has forkserver, workers forked from one process that imported the runner.
 
     Spawned workers each start a fresh interpreter and import `distributed`, then labkit's runner
     (torch among it) before their first point; forked from a server that imported both once, they
@@ -197,11 +203,12 @@ def _local_settings(spec: ClusterSpec, distributed):
     if spec.kind != "local":
         yield
         return
+    config = {**LOCAL_CLUSTER_CONFIG, "temporary-directory": str(scratch)}
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        with dask.config.set(LOCAL_CLUSTER_CONFIG):
+        with dask.config.set(config):
             yield
         return
-    with dask.config.set({**LOCAL_CLUSTER_CONFIG, "distributed.worker.multiprocessing-method": "forkserver"}):
+    with dask.config.set({**config, "distributed.worker.multiprocessing-method": "forkserver"}):
         context = distributed.utils.get_mp_context()  # distributed sets its own preload list once, here
         context.set_forkserver_preload(["distributed", __name__])
         yield
@@ -417,6 +424,9 @@ def _run_point(index: int, name: str, source: bytes, point: dict, timeout: float
             result = run_notebook(notebook, run_dir, point, timeout=timeout, threads=threads, stop=stop)
         finally:
             finished.set()
+            # no look at the Event may still be on its way when the task returns: the sweep may close the
+            # cluster at once, and a request cut off by that prints "Stream is closed" after a clean sweep
+            watcher.join(WATCH_JOIN_SECONDS)
         files = {path.relative_to(run_dir).as_posix(): path.read_bytes()
                  for path in sorted(run_dir.rglob("*")) if path.is_file() and not path.is_symlink()}
         return {"result": asdict(result), "files": files, "folder": str(run_dir.resolve()),
@@ -433,10 +443,15 @@ def _usable_cores() -> int:
 
 
 def _watch(event, stop: threading.Event, finished: threading.Event) -> None:
-    """Set `stop` when the client sets the sweep's distributed Event (Ctrl-C), until the point has finished."""
-    while not finished.is_set():
+    """Set `stop` when the client sets the sweep's distributed Event (Ctrl-C), until the point has finished.
+
+    It asks the scheduler every `WATCH_SECONDS` whether the Event is set (a quick request), rather than
+    waiting on it: a wait still open on the scheduler when the sweep closes the cluster is cancelled there,
+    which distributed logs as an ERROR with a CancelledError traceback.
+    """
+    while not finished.wait(WATCH_SECONDS):
         try:
-            if event.wait(timeout=1):
+            if event.is_set():
                 stop.set()
                 return
         except Exception as error:  # the scheduler went away: the point still ends by its own timeout

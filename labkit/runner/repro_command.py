@@ -17,7 +17,7 @@ from labkit.runner.paths import new_run_folder, safe_name
 from labkit.runner.rerun_parameters import parse_value, validate_parameters
 from labkit.runner.run import check_timeout, resolve_notebook, run_notebook
 from labkit.runner.summary import md_table
-from labkit.runner.sweeps import grid_points, parse_sweep, sweep, sweep_table, write_sweep
+from labkit.runner.sweeps import RUN_CODE_COLUMNS, grid_points, parse_sweep, sweep, sweep_table, write_sweep
 
 __all__ = ["repro_main"]
 
@@ -86,7 +86,10 @@ def _report_sweep(notebook: Path, grid: dict, fixed: dict, out: Path, timeout: f
                                 connect_timeout=connect_timeout, progress=lambda line: print(line, flush=True))
     table = sweep_table(results, list(grid))
     written = write_sweep(table, out)
-    print(md_table(list(table[0]), [list(row.values()) for row in table]))
+    shown = [column for column in table[0] if column not in RUN_CODE_COLUMNS]  # the files keep them, per point
+    print(md_table(shown, [[row.get(column) for column in shown] for row in table]))
+    for version, commit in dict.fromkeys((r.labkit_version, r.git_commit) for r in results):
+        print(f"run by labkit {version}" + (f" at git commit {commit}" if commit else " (no git commit known)"))
     for result in results:
         if result.error:
             print(result.error, file=sys.stderr)

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from labkit._version import git_commit, labkit_version
 from labkit.errors import LabkitError
 from labkit.messages import first_line
 from labkit.notebooks import KERNELSPEC, select_notebooks, stamp_notebook
@@ -44,7 +45,10 @@ POLL_SECONDS = 0.2  # how often a waiting run checks whether a sweep asked it to
 
 @dataclass
 class RunResult:
-    """What one notebook run produced: status ("ok", "failed" or "interrupted"), time, where, what it recorded."""
+    """What one notebook run produced: status ("ok", "failed" or "interrupted"), time, where, what it recorded.
+
+    `labkit_version` and `git_commit` name the code that ran it (the commit is None outside a git checkout).
+    """
 
     notebook: str
     status: str
@@ -54,6 +58,8 @@ class RunResult:
     error: str = ""
     claims: list = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    labkit_version: str = field(default_factory=labkit_version)
+    git_commit: str | None = field(default_factory=git_commit)
 
 
 def check_timeout(seconds: object, name: str = "timeout") -> float:

@@ -17,6 +17,8 @@ from labkit.runner.run import RunResult, check_timeout, run_notebook
 
 __all__ = ["grid_points", "parse_sweep", "plot_sweep", "sweep", "sweep_table", "write_sweep"]
 
+RUN_CODE_COLUMNS = ("labkit_version", "git_commit")  # the last columns of a sweep's rows: which code ran each point
+
 
 def parse_sweep(specs: list[str]) -> dict[str, list]:
     """`["batch_size=2,8,32", "seed=0,1,2"]` -> {"batch_size": [2, 8, 32], "seed": [0, 1, 2]}."""
@@ -78,8 +80,13 @@ def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, fixe
 
 
 def sweep_table(results: list[RunResult], swept: list[str]) -> list[dict]:
-    """One row per run: the swept parameters, status, seconds, then every recorded metric."""
-    return [dict({k: r.parameters.get(k) for k in swept}, status=r.status, seconds=r.seconds, **r.metrics)
+    """One row per run: the swept parameters, status, seconds, every recorded metric, then the code that ran it.
+
+    The code is `RUN_CODE_COLUMNS`, labkit's version and git commit, so rows of sweeps made by different code
+    stay apart when their tables are joined.
+    """
+    return [dict({k: r.parameters.get(k) for k in swept}, status=r.status, seconds=r.seconds, **r.metrics,
+                 **{column: getattr(r, column) for column in RUN_CODE_COLUMNS})
             for r in results]
 
 
