@@ -3,8 +3,8 @@ processes and real signals: nothing a run started survives it, no run overwrites
 committed file, and an ambiguous or contradictory command line is an error listing the choices.
 
 Kernel starts are the cost here, so the scratch notebooks are shared and papermill runs are few:
-three module fixtures run the concurrent repros, the escaping sweep and the two workbook runs once, for
-several tests, and a run that provokes a fault asserts everything that fault should show (a timeout,
+two module fixtures run the concurrent repros (one of them the escaping sweep) and the two workbook runs
+once, for several tests, and a run that provokes a fault asserts everything that fault should show (a timeout,
 a kernel killed in a cell) instead of provoking it again elsewhere (tests/test_repro.py used to).
 """
 
@@ -277,40 +277,71 @@ def test_the_tree_is_stopped_on_a_platform_without_killpg_or_sigkill(monkeypatch
     assert survivors_after(tag, seconds=5) == []
 
 
-# ---- two runs never share a folder; temp files stay inside the run ------------------------------
+# ---- two runs never share a folder; temp files stay inside the run; values as folder names never escape;
+# ---- duplicates never collide --------------------------------------------------------------------
+
+# A value aiming at the committed notebooks (R9b) and one aiming at a new folder outside runs/ (R9b2).
+ESCAPES = "../../../../../notebooks,../../../../../escape_sweep"
+# The second value swept twice: the duplicate of R9e, on a value that must be made safe as well, so three runs
+# prove what four did with a plain `x,x`.
+TWICE = ESCAPES.split(",")[1]
+SWEPT = f"{ESCAPES},{TWICE}"
+RUN_FILES = {"00_x.ipynb", "00_x.log", "00_x.result.json", "00_x.fingerprint.json", "where.json"}
+
 
 @pytest.fixture(scope="module")
-def two_concurrent_runs(project):
-    """`repro 00_x -p value 1.0` and `-p value 2.0` started together, with the default output folder."""
+def run_and_sweep_started_together(project):
+    """`repro 00_x -p value 2.0` and `repro 00_x --sweep label=<two escaping paths>,<the second again>
+    --workers 3`, started together in the project, each with the default output folder (four runs).
+
+    Both commands draw their folder from runs/00_x/ at the same moment (R11) as two single runs would, and
+    every run of the four is a successful run of the scratch notebook whose folder the temp-file test reads
+    (R23); the sweep's values try to escape runs/ (R9b, R9b2) and one repeats (R9e)."""
+    committed = (project / "notebooks" / "00_x.ipynb").read_bytes()
+    before = {p for p in project.parent.rglob("*")}
     tag = uuid.uuid4().hex
-    runs = [start_repro(["00_x", "-p", "value", value], project, tag) for value in ("1.0", "2.0")]
-    outputs = [run.communicate(timeout=FIXTURE_RUN_S) for run in runs]
+    commands = [["00_x", "-p", "value", "2.0"], ["00_x", "--sweep", f"label={SWEPT}", "--workers", "3"]]
+    started = [start_repro(command, project, tag) for command in commands]
+    outputs = [process.communicate(timeout=FIXTURE_RUN_S) for process in started]
     assert survivors_after(tag, seconds=5) == []
-    return [(run.returncode, stdout, stderr) for run, (stdout, stderr) in zip(runs, outputs)]
+    created = {p for p in project.parent.rglob("*")} - before
+    (run_code, run_out, run_err), (sweep_code, sweep_out, sweep_err) = [
+        (process.returncode, stdout, stderr) for process, (stdout, stderr) in zip(started, outputs)]
+    assert run_code == 0, run_err
+    assert sweep_code == 0, sweep_err
+    run_folder = Path(run_out.strip().rsplit(" -> ", 1)[1]).parent
+    # the sweep's last line: "wrote FOLDER/sweep.csv, FOLDER/sweep.json, ..."
+    sweep_folder = Path(sweep_out.strip().splitlines()[-1].removeprefix("wrote ").split(", ")[0]).parent
+    return {"run": run_folder, "sweep": sweep_folder, "committed": committed, "created": created}
+
+
+def sweep_points(sweep_folder: Path) -> list[Path]:
+    return sorted(p for p in sweep_folder.iterdir() if p.is_dir())
 
 
 @pytest.mark.trial("R11")
 @pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
-def test_two_runs_started_together_get_two_complete_folders(project, two_concurrent_runs):
-    folders = []
-    for code, stdout, stderr in two_concurrent_runs:
-        assert code == 0, stderr
-        folders.append(Path(stdout.strip().rsplit(" -> ", 1)[1]).parent)
-    assert folders[0] != folders[1]
-    values = set()
-    for folder in folders:
-        assert folder.parent == (project / "runs" / "00_x").resolve()
-        assert {"00_x.ipynb", "00_x.log", "00_x.result.json", "00_x.fingerprint.json", "where.json"} <= {
-            p.name for p in folder.iterdir()}
-        values.add(json.loads((folder / "00_x.result.json").read_text())["parameters"]["value"])
-    assert values == {1.0, 2.0}
+def test_two_runs_started_together_get_two_complete_folders(project, run_and_sweep_started_together):
+    run, sweep = run_and_sweep_started_together["run"], run_and_sweep_started_together["sweep"]
+    assert run != sweep
+    assert run.parent == sweep.parent == (project / "runs" / "00_x").resolve()
+    assert RUN_FILES <= {p.name for p in run.iterdir()}
+    assert json.loads((run / "00_x.result.json").read_text())["parameters"] == {"value": 2.0}
+    assert (sweep / "sweep.json").exists() and not (sweep / "00_x.ipynb").exists()
+    assert len(sweep_points(sweep)) == 3
+    labels = []
+    for point in sweep_points(sweep):
+        assert RUN_FILES <= {p.name for p in point.iterdir()}
+        labels.append(json.loads((point / "00_x.result.json").read_text())["parameters"]["label"])
+    assert sorted(labels) == sorted(SWEPT.split(","))
 
 
 @pytest.mark.trial("R23")
 @pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
-def test_temporary_files_and_the_inductor_cache_live_in_the_run_folder_and_are_removed(two_concurrent_runs):
-    for _, stdout, _ in two_concurrent_runs:
-        folder = Path(stdout.strip().rsplit(" -> ", 1)[1]).parent
+def test_temporary_files_and_the_inductor_cache_live_in_the_run_folder_and_are_removed(run_and_sweep_started_together):
+    folders = [run_and_sweep_started_together["run"], *sweep_points(run_and_sweep_started_together["sweep"])]
+    assert len(folders) == 4
+    for folder in folders:
         where = json.loads((folder / "where.json").read_text())
         for key in ("tmp", "inductor", "runtime"):
             assert Path(where[key]).is_relative_to(folder), (key, where[key])
@@ -360,35 +391,13 @@ def test_the_ranks_folder_of_a_killed_parent_is_removed_by_the_next_run_ranks(tm
     assert list(scratch_root.iterdir()) == []
 
 
-# ---- values as folder names never escape; duplicates never collide ------------------------------
-
-# A value aiming at the committed notebooks (R9b) and one aiming at a new folder outside runs/ (R9b2).
-ESCAPES = "../../../../../notebooks,../../../../../escape_sweep"
-# The second value swept twice: the duplicate of R9e, on a value that must be made safe as well, so three runs
-# prove what four did with a plain `x,x`.
-TWICE = ESCAPES.split(",")[1]
-SWEPT = f"{ESCAPES},{TWICE}"
-
-
-@pytest.fixture(scope="module")
-def escaping_sweep(project):
-    """`repro 00_x --sweep label=<two escaping paths>,<the second again> --workers 3` in the project (three runs)."""
-    committed = (project / "notebooks" / "00_x.ipynb").read_bytes()
-    before = {p for p in project.parent.rglob("*")}
-    tag = uuid.uuid4().hex
-    run = start_repro(["00_x", "--sweep", f"label={SWEPT}", "--workers", "3"], project, tag)
-    stdout, stderr = run.communicate(timeout=FIXTURE_RUN_S)
-    assert survivors_after(tag, seconds=5) == []
-    created = {p for p in project.parent.rglob("*")} - before
-    return run.returncode, stdout, stderr, committed, created
-
+# ---- folder names from values -------------------------------------------------------------------
 
 @pytest.mark.trial("R9b")
 @pytest.mark.trial("R9b2")
 @pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
-def test_a_sweep_value_cannot_escape_runs_or_overwrite_a_committed_notebook(project, escaping_sweep):
-    code, stdout, stderr, committed, created = escaping_sweep
-    assert code == 0, stderr
+def test_a_sweep_value_cannot_escape_runs_or_overwrite_a_committed_notebook(project, run_and_sweep_started_together):
+    committed, created = run_and_sweep_started_together["committed"], run_and_sweep_started_together["created"]
     assert (project / "notebooks" / "00_x.ipynb").read_bytes() == committed
     runs = project / "runs" / "00_x"
     outside = sorted(str(p) for p in created if not p.is_relative_to(runs) and p != runs and p != runs.parent)
@@ -404,7 +413,7 @@ def test_a_sweep_value_cannot_escape_runs_or_overwrite_a_committed_notebook(proj
 
 @pytest.mark.trial("R9e")
 @pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
-def test_duplicate_sweep_values_get_two_complete_folders(escaping_sweep, project):
+def test_duplicate_sweep_values_get_two_complete_folders(run_and_sweep_started_together, project):
     sweep_folder = next(p for p in (project / "runs" / "00_x").iterdir() if (p / "sweep.json").exists())
     name = folder_name({"label": TWICE})
     twins = sorted(p.name for p in sweep_folder.iterdir() if p.name.startswith(name))
