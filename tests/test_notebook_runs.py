@@ -11,7 +11,7 @@ import pytest
 import torch
 from notebook_runs import TEST_DEVICE, cpu_parameters, run_on_cpu
 
-from labkit import devices
+from labkit import devices, runner
 
 TESTS = Path(__file__).resolve().parent
 
@@ -38,14 +38,27 @@ def _calls(tree: ast.AST) -> set[str]:
     return {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
 
 
+# A notebook test runs its notebook through run_on_cpu itself, or through run_student_edition_on_cpu (its
+# fixed side on the student edition), which calls run_on_cpu; reading the committed run (stored_run) runs nothing.
+CPU_RUNNERS = {"run_on_cpu", "run_student_edition_on_cpu"}
+
+
+def test_the_student_edition_runner_pins_the_cpu_too():
+    tree = ast.parse((TESTS / "notebook_runs.py").read_text())
+    [function] = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+                  and node.name == "run_student_edition_on_cpu"]
+    assert "run_on_cpu" in _calls(function)
+
+
 @pytest.mark.parametrize("test_file", sorted(TESTS.glob("test_nb[0-9][0-9]_*.py")), ids=lambda p: p.stem)
 def test_every_notebook_test_runs_its_notebook_through_run_on_cpu(test_file):
     calls = _calls(ast.parse(test_file.read_text()))
-    assert "run_on_cpu" in calls
+    assert calls & CPU_RUNNERS, f"{test_file.name} runs no notebook through {sorted(CPU_RUNNERS)}"
     assert not {call for call in calls if call.endswith("run_notebook")}, "use run_on_cpu, not run_notebook"
 
 
-def test_a_second_identical_run_is_a_copy_of_the_first_and_a_changed_notebook_runs_again(make_notebook, tmp_path):
+def test_a_second_identical_run_is_a_copy_and_reuse_false_or_a_changed_notebook_goes_to_the_runner(
+        make_notebook, tmp_path, monkeypatch):
     runs_log = tmp_path / "runs.log"
     notebook = make_notebook("counts_its_runs", 'device = "cpu"\nlog = ""',
                              'from pathlib import Path\nwith Path(log).open("a") as f:\n    f.write("ran\\n")')
@@ -58,7 +71,21 @@ def test_a_second_identical_run_is_a_copy_of_the_first_and_a_changed_notebook_ru
     assert Path(second.output).read_bytes() == Path(first.output).read_bytes()
     assert json.loads((tmp_path / "second" / "counts_its_runs.result.json").read_text())["output"] == second.output
 
-    run_on_cpu(notebook, tmp_path / "fresh", parameters, reuse=False)
+    # Whether run_on_cpu serves a copy or hands the run to the runner is its whole decision, so from here the
+    # runner only records what it is handed: a kernel would prove no more than the real run above did.
+    handed = []
+
+    def recording_runner(notebook, out_dir, parameters, timeout):
+        handed.append((Path(notebook), Path(out_dir), parameters, Path(notebook).read_text()))
+        return runner.RunResult(Path(notebook).stem, "failed", 0.0, "", parameters, "recorded, not run")
+
+    monkeypatch.setattr(runner, "run_notebook", recording_runner)
+    fresh = run_on_cpu(notebook, tmp_path / "fresh", parameters, reuse=False)
     notebook.write_text(notebook.read_text().replace("ran", "ran again"))
-    run_on_cpu(notebook, tmp_path / "changed", parameters)
-    assert runs_log.read_text() == "ran\nran\nran again\n"
+    changed = run_on_cpu(notebook, tmp_path / "changed", parameters)
+    assert fresh.error == changed.error == "recorded, not run", "a copy was served instead of a run"
+    cpu = {**parameters, "device": TEST_DEVICE}
+    assert [(path, out, given) for path, out, given, _ in handed] == [
+        (notebook, tmp_path / "fresh", cpu), (notebook, tmp_path / "changed", cpu)]
+    assert "ran again" not in handed[0][3] and "ran again" in handed[1][3], "the changed notebook was handed over"
+    assert runs_log.read_text() == "ran\n", "only the first run executed the notebook"

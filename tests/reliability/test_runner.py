@@ -3,9 +3,13 @@ processes and real signals: nothing a run started survives it, no run overwrites
 committed file, and an ambiguous or contradictory command line is an error listing the choices.
 
 Kernel starts are the cost here, so the scratch notebooks are shared and papermill runs are few:
-two module fixtures run the concurrent repros and the escaping sweep once, for several tests.
+two module fixtures run the concurrent repros (one of them the escaping sweep) and the two workbook runs
+once, for several tests, and a run that provokes a fault asserts everything that fault should show (a timeout,
+a kernel killed in a cell) instead of provoking it again elsewhere (tests/test_repro.py used to).
 """
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -32,12 +36,15 @@ STOP_BOUND_S = 15  # a stopped run and everything it started must be gone within
 # The fixtures' concurrent runs share two loaded cores: a test that starts them may take this long.
 FIXTURE_RUN_S = 120
 FIXTURE_TEST_TIMEOUT_S = 150
+# The test that first asks for the two workbook runs waits for both, one with a kernel start tried twice.
+WORKBOOK_TEST_TIMEOUT_S = 240
 
 PARAMETERS = 'mode = "ok"\nlabel = "x"\nvalue = 1.0\nsteps = 3'
-# "child": starts a grandchild of the kernel and waits; "sleep": only waits; "die": ends the kernel; "ok": records where
-# temporary files would go and returns. "started" appears in the run folder once the cell runs.
+# "child": starts a grandchild of the kernel and waits; "sleep": only waits; "die": the kernel SIGKILLs itself, as the
+# kernel killed for memory is; "ok": records where temporary files would go and returns. "started" appears in the run
+# folder once the cell runs.
 BODY = """
-import json, os, subprocess, sys, tempfile, time
+import json, os, signal, subprocess, sys, tempfile, time
 if mode == "child":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     open("started", "w").write(str(child.pid))
@@ -46,11 +53,13 @@ elif mode == "sleep":
     open("started", "w").write("")
     time.sleep(300)
 elif mode == "die":
-    os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)
 json.dump({"tmp": tempfile.gettempdir(), "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
            "runtime": os.environ.get("JUPYTER_RUNTIME_DIR"), "value": value, "label": label},
           open("where.json", "w"))
 """
+# How a failure message quotes the scratch notebook's code cell (its first line; the parameters are cell 0).
+BODY_POINTER = "'import json, os, signal, subprocess, sys, tempfile, time'"
 
 
 def write_scratch_notebook(path: Path) -> Path:
@@ -153,13 +162,18 @@ def test_a_signal_to_repro_stops_papermill_the_kernel_and_its_child_and_keeps_th
 
 @pytest.mark.trial("R7b")
 @pytest.mark.timeout(120)
-def test_a_timeout_stops_the_kernels_own_children_too(tmp_path, monkeypatch):
+def test_a_hung_run_is_stopped_at_its_timeout_with_the_kernels_own_children(tmp_path, monkeypatch):
+    # The one timeout run with a kernel: it also proves what tests/test_repro.py's hung notebook did, that the
+    # run ends soon after the timeout and the message names and quotes the cell it hung in.
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VARIABLE, tag)
     notebook = write_scratch_notebook(tmp_path / "99_scratch.ipynb")
+    started = time.monotonic()
     result = run_notebook(notebook, tmp_path / "run", {"mode": "child"}, timeout=30)
+    took = time.monotonic() - started
     assert (tmp_path / "run" / "started").exists(), "the cell that starts a child ran before the timeout"
-    assert result.status == "failed" and "timed out after 30 s in cell 1" in result.error
+    assert result.status == "failed" and f"timed out after 30 s in cell 1 ({BODY_POINTER})" in result.error, result.error
+    assert took < 30 + 25, f"the run ended {took:.0f} s after it started, not soon after its 30-s timeout"
     assert survivors_after(tag, seconds=5) == []
 
 
@@ -191,23 +205,28 @@ def install_flaky_kernel(folder: Path, fails: int, monkeypatch) -> Path:
     return starts
 
 
-@pytest.mark.parametrize("fails, mode, status, starts, said", [
-    (1, "ok", "ok", 2, "the kernel did not start (try 1 of 2)"),
-    (2, "ok", "failed", 2, "Kernel died before replying to kernel_info"),
-    (0, "die", "failed", 1, "the kernel died in cell 1"),
-], ids=["a-failed-start-is-tried-again", "only-once", "a-kernel-dying-in-a-cell-is-not-restarted"])
+# A start that fails and is tried again, then succeeds, is proved by the first of the two workbook runs (the
+# `two_workbook_runs` fixture): it is a successful run of the scratch notebook like any other.
+@pytest.mark.parametrize("fails, mode, starts, said", [
+    (2, "ok", 2, "Kernel died before replying to kernel_info"),
+    # The one run whose kernel dies in a cell: it also proves what tests/test_repro.py's killed kernel did, that
+    # the run ends well before its timeout and the message names and quotes the cell.
+    (0, "die", 1, f"the kernel died in cell 1 ({BODY_POINTER})"),
+], ids=["only-once", "a-kernel-killed-in-a-cell-is-not-restarted"])
 @pytest.mark.timeout(150)
-def test_a_kernel_that_dies_before_the_first_cell_is_replaced_once(tmp_path, monkeypatch, fails, mode, status,
-                                                                    starts, said):
+def test_a_kernel_is_replaced_once_if_it_dies_before_the_first_cell_and_never_after(tmp_path, monkeypatch, fails,
+                                                                                     mode, starts, said):
     started = install_flaky_kernel(tmp_path / "jupyter", fails, monkeypatch)
     notebook = write_scratch_notebook(tmp_path / "99_scratch.ipynb")
+    began = time.monotonic()
     result = run_notebook(notebook, tmp_path / "run", {"mode": mode}, timeout=120)
+    took = time.monotonic() - began
     log = (tmp_path / "run" / f"{notebook.stem}.log").read_text()
-    assert result.status == status, result.error
+    assert result.status == "failed", result.error
     assert len(started.read_text().splitlines()) == starts
-    assert said in result.error + log
-    if status == "ok":
-        assert json.loads((tmp_path / "run" / "where.json").read_text())["value"] == 1.0
+    assert said in (result.error if mode == "die" else result.error + log), result.error
+    if mode == "die":
+        assert took < 100, f"a dead kernel ended the run after {took:.0f} s, near its 120-s timeout"
 
 
 @pytest.mark.trial("R10s")
@@ -258,40 +277,71 @@ def test_the_tree_is_stopped_on_a_platform_without_killpg_or_sigkill(monkeypatch
     assert survivors_after(tag, seconds=5) == []
 
 
-# ---- two runs never share a folder; temp files stay inside the run ------------------------------
+# ---- two runs never share a folder; temp files stay inside the run; values as folder names never escape;
+# ---- duplicates never collide --------------------------------------------------------------------
+
+# A value aiming at the committed notebooks (R9b) and one aiming at a new folder outside runs/ (R9b2).
+ESCAPES = "../../../../../notebooks,../../../../../escape_sweep"
+# The second value swept twice: the duplicate of R9e, on a value that must be made safe as well, so three runs
+# prove what four did with a plain `x,x`.
+TWICE = ESCAPES.split(",")[1]
+SWEPT = f"{ESCAPES},{TWICE}"
+RUN_FILES = {"00_x.ipynb", "00_x.log", "00_x.result.json", "00_x.fingerprint.json", "where.json"}
+
 
 @pytest.fixture(scope="module")
-def two_concurrent_runs(project):
-    """`repro 00_x -p value 1.0` and `-p value 2.0` started together, with the default output folder."""
+def run_and_sweep_started_together(project):
+    """`repro 00_x -p value 2.0` and `repro 00_x --sweep label=<two escaping paths>,<the second again>
+    --workers 3`, started together in the project, each with the default output folder (four runs).
+
+    Both commands draw their folder from runs/00_x/ at the same moment (R11) as two single runs would, and
+    every run of the four is a successful run of the scratch notebook whose folder the temp-file test reads
+    (R23); the sweep's values try to escape runs/ (R9b, R9b2) and one repeats (R9e)."""
+    committed = (project / "notebooks" / "00_x.ipynb").read_bytes()
+    before = {p for p in project.parent.rglob("*")}
     tag = uuid.uuid4().hex
-    runs = [start_repro(["00_x", "-p", "value", value], project, tag) for value in ("1.0", "2.0")]
-    outputs = [run.communicate(timeout=FIXTURE_RUN_S) for run in runs]
+    commands = [["00_x", "-p", "value", "2.0"], ["00_x", "--sweep", f"label={SWEPT}", "--workers", "3"]]
+    started = [start_repro(command, project, tag) for command in commands]
+    outputs = [process.communicate(timeout=FIXTURE_RUN_S) for process in started]
     assert survivors_after(tag, seconds=5) == []
-    return [(run.returncode, stdout, stderr) for run, (stdout, stderr) in zip(runs, outputs)]
+    created = {p for p in project.parent.rglob("*")} - before
+    (run_code, run_out, run_err), (sweep_code, sweep_out, sweep_err) = [
+        (process.returncode, stdout, stderr) for process, (stdout, stderr) in zip(started, outputs)]
+    assert run_code == 0, run_err
+    assert sweep_code == 0, sweep_err
+    run_folder = Path(run_out.strip().rsplit(" -> ", 1)[1]).parent
+    # the sweep's last line: "wrote FOLDER/sweep.csv, FOLDER/sweep.json, ..."
+    sweep_folder = Path(sweep_out.strip().splitlines()[-1].removeprefix("wrote ").split(", ")[0]).parent
+    return {"run": run_folder, "sweep": sweep_folder, "committed": committed, "created": created}
+
+
+def sweep_points(sweep_folder: Path) -> list[Path]:
+    return sorted(p for p in sweep_folder.iterdir() if p.is_dir())
 
 
 @pytest.mark.trial("R11")
 @pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
-def test_two_runs_started_together_get_two_complete_folders(project, two_concurrent_runs):
-    folders = []
-    for code, stdout, stderr in two_concurrent_runs:
-        assert code == 0, stderr
-        folders.append(Path(stdout.strip().rsplit(" -> ", 1)[1]).parent)
-    assert folders[0] != folders[1]
-    values = set()
-    for folder in folders:
-        assert folder.parent == (project / "runs" / "00_x").resolve()
-        assert {"00_x.ipynb", "00_x.log", "00_x.result.json", "00_x.fingerprint.json", "where.json"} <= {
-            p.name for p in folder.iterdir()}
-        values.add(json.loads((folder / "00_x.result.json").read_text())["parameters"]["value"])
-    assert values == {1.0, 2.0}
+def test_two_runs_started_together_get_two_complete_folders(project, run_and_sweep_started_together):
+    run, sweep = run_and_sweep_started_together["run"], run_and_sweep_started_together["sweep"]
+    assert run != sweep
+    assert run.parent == sweep.parent == (project / "runs" / "00_x").resolve()
+    assert RUN_FILES <= {p.name for p in run.iterdir()}
+    assert json.loads((run / "00_x.result.json").read_text())["parameters"] == {"value": 2.0}
+    assert (sweep / "sweep.json").exists() and not (sweep / "00_x.ipynb").exists()
+    assert len(sweep_points(sweep)) == 3
+    labels = []
+    for point in sweep_points(sweep):
+        assert RUN_FILES <= {p.name for p in point.iterdir()}
+        labels.append(json.loads((point / "00_x.result.json").read_text())["parameters"]["label"])
+    assert sorted(labels) == sorted(SWEPT.split(","))
 
 
 @pytest.mark.trial("R23")
 @pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
-def test_temporary_files_and_the_inductor_cache_live_in_the_run_folder_and_are_removed(two_concurrent_runs):
-    for _, stdout, _ in two_concurrent_runs:
-        folder = Path(stdout.strip().rsplit(" -> ", 1)[1]).parent
+def test_temporary_files_and_the_inductor_cache_live_in_the_run_folder_and_are_removed(run_and_sweep_started_together):
+    folders = [run_and_sweep_started_together["run"], *sweep_points(run_and_sweep_started_together["sweep"])]
+    assert len(folders) == 4
+    for folder in folders:
         where = json.loads((folder / "where.json").read_text())
         for key in ("tmp", "inductor", "runtime"):
             assert Path(where[key]).is_relative_to(folder), (key, where[key])
@@ -341,30 +391,13 @@ def test_the_ranks_folder_of_a_killed_parent_is_removed_by_the_next_run_ranks(tm
     assert list(scratch_root.iterdir()) == []
 
 
-# ---- values as folder names never escape; duplicates never collide ------------------------------
-
-ESCAPES = "../../../../../notebooks,../../../../../escape_sweep"
-
-
-@pytest.fixture(scope="module")
-def escaping_sweep(project):
-    """`repro 00_x --sweep label=<two escaping paths>,x,x --workers 4` in the project (four runs)."""
-    committed = (project / "notebooks" / "00_x.ipynb").read_bytes()
-    before = {p for p in project.parent.rglob("*")}
-    tag = uuid.uuid4().hex
-    run = start_repro(["00_x", "--sweep", f"label={ESCAPES},x,x", "--workers", "4"], project, tag)
-    stdout, stderr = run.communicate(timeout=FIXTURE_RUN_S)
-    assert survivors_after(tag, seconds=5) == []
-    created = {p for p in project.parent.rglob("*")} - before
-    return run.returncode, stdout, stderr, committed, created
-
+# ---- folder names from values -------------------------------------------------------------------
 
 @pytest.mark.trial("R9b")
 @pytest.mark.trial("R9b2")
 @pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
-def test_a_sweep_value_cannot_escape_runs_or_overwrite_a_committed_notebook(project, escaping_sweep):
-    code, stdout, stderr, committed, created = escaping_sweep
-    assert code == 0, stderr
+def test_a_sweep_value_cannot_escape_runs_or_overwrite_a_committed_notebook(project, run_and_sweep_started_together):
+    committed, created = run_and_sweep_started_together["committed"], run_and_sweep_started_together["created"]
     assert (project / "notebooks" / "00_x.ipynb").read_bytes() == committed
     runs = project / "runs" / "00_x"
     outside = sorted(str(p) for p in created if not p.is_relative_to(runs) and p != runs and p != runs.parent)
@@ -374,19 +407,21 @@ def test_a_sweep_value_cannot_escape_runs_or_overwrite_a_committed_notebook(proj
     for folder in sweep_folder.iterdir():
         if folder.is_dir():
             labels[folder.name] = json.loads((folder / "where.json").read_text())["label"]
-    assert sorted(labels.values()) == sorted(ESCAPES.split(",") + ["x", "x"])
+    assert sorted(labels.values()) == sorted(SWEPT.split(","))
     assert all(".." not in name and "/" not in name for name in labels)
 
 
 @pytest.mark.trial("R9e")
 @pytest.mark.timeout(FIXTURE_TEST_TIMEOUT_S)
-def test_duplicate_sweep_values_get_two_complete_folders(escaping_sweep, project):
+def test_duplicate_sweep_values_get_two_complete_folders(run_and_sweep_started_together, project):
     sweep_folder = next(p for p in (project / "runs" / "00_x").iterdir() if (p / "sweep.json").exists())
-    twins = sorted(p.name for p in sweep_folder.iterdir() if p.name.startswith("label=x"))
-    assert twins == ["label=x", "label=x~2"]
-    for name in twins:
-        assert json.loads((sweep_folder / name / "00_x.result.json").read_text())["status"] == "ok"
-    assert len(json.loads((sweep_folder / "sweep.json").read_text())) == 4
+    name = folder_name({"label": TWICE})
+    twins = sorted(p.name for p in sweep_folder.iterdir() if p.name.startswith(name))
+    assert twins == [name, f"{name}~2"]
+    for twin in twins:
+        assert json.loads((sweep_folder / twin / "00_x.result.json").read_text())["status"] == "ok"
+        assert json.loads((sweep_folder / twin / "where.json").read_text())["label"] == TWICE
+    assert len(json.loads((sweep_folder / "sweep.json").read_text())) == 3
 
 
 @pytest.mark.trial("extra")
@@ -399,20 +434,50 @@ def test_folder_names_from_values_are_unique_and_readable():
     assert names[0].startswith("label=a_b~")
 
 
+@pytest.fixture(scope="module")
+def two_workbook_runs(project, tmp_path_factory):
+    """`workbook 01_y --out runs/wb`, twice, in the project, with a kernel whose first start fails (as when
+    its port is taken): the first run's start is tried again; the second run's kernel starts at once.
+    Returns the runs folder, each run's (exit code, output) and the kernel launcher's starts file."""
+    outputs = []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(project)
+        starts = install_flaky_kernel(tmp_path_factory.mktemp("jupyter"), 1, monkeypatch)
+        out = project / "runs" / "wb"
+        for _ in range(2):
+            with contextlib.redirect_stdout(io.StringIO()) as stdout, contextlib.redirect_stderr(io.StringIO()) as stderr:
+                code = main(["workbook", "01_y", "--out", str(out)])
+            outputs.append((code, stdout.getvalue() + stderr.getvalue()))
+    return out, outputs, starts
+
+
 @pytest.mark.trial("extra")
-@pytest.mark.timeout(120)
-def test_a_second_workbook_run_keeps_the_first_and_points_at_the_latest(project, monkeypatch, capsys):
-    monkeypatch.chdir(project)
-    out = project / "runs" / "wb"
-    for _ in range(2):
-        code, text = cli(["workbook", "01_y", "--out", str(out)], capsys)
+@pytest.mark.timeout(WORKBOOK_TEST_TIMEOUT_S)
+def test_a_kernel_that_dies_before_the_first_cell_is_replaced_and_the_run_succeeds(two_workbook_runs):
+    out, outputs, starts = two_workbook_runs
+    (first_code, first_text), _ = outputs
+    assert first_code == 0, first_text
+    # the first run's own folder, from what it printed (two runs started in one second sort by a random suffix)
+    first = Path(first_text.split("summary: ", 1)[1].split()[0]).parent / "01_y"
+    assert json.loads((first / "01_y.result.json").read_text())["status"] == "ok"
+    assert "the kernel did not start (try 1 of 2)" in (first / "01_y.log").read_text()
+    assert json.loads((first / "where.json").read_text())["value"] == 1.0, "the fresh kernel ran the cells"
+    # two starts for the first run (the failed one and its replacement), one for the second
+    assert len(starts.read_text().splitlines()) == 3
+
+
+@pytest.mark.trial("extra")
+@pytest.mark.timeout(WORKBOOK_TEST_TIMEOUT_S)
+def test_a_second_workbook_run_keeps_the_first_and_points_at_the_latest(two_workbook_runs):
+    out, outputs, _ = two_workbook_runs
+    for code, text in outputs:
         assert code == 0, text
     runs = [p for p in out.iterdir() if p.is_dir()]
     assert len(runs) == 2
     for run in runs:
         assert (run / "summary.md").exists() and (run / "01_y" / "01_y.ipynb").exists()
     latest = out / (out / "LATEST").read_text().strip()
-    assert f"summary: {latest / 'summary.md'}" in text, "LATEST names the second run"
+    assert f"summary: {latest / 'summary.md'}" in outputs[1][1], "LATEST names the second run"
     assert (out / "summary.md").read_text() == (latest / "summary.md").read_text()
 
 
