@@ -19,8 +19,12 @@ proves the edition and the fixed verdicts, where test_student used to run all 17
 Where a test's bug side differs from the notebook's defaults only in sizes and seed, it reads the
 committed notebook's own run instead (`stored_run`): the claims and metrics its stored outputs hold,
 made on a CPU at the defaults. nbval, in the same `make test`, re-executes every notebook at the
-defaults and compares those outputs, so they are what the code computes. A knob the bug side set
-away from its default stays on a papermill run (or moves to the fixed side), never to the stored run.
+defaults and compares those outputs, so they are what the code computes; but only the outputs of the
+cells it compares. A cell tagged `nbval-ignore-output` (a timing, a machine-dependent or GPU-only
+result) or `nbval-skip` is re-executed without comparison or not at all, so a stale value there would
+pass: `stored_run` leaves its claims and metrics out, and a test that needs one runs that side fresh.
+A knob the bug side set away from its default stays on a papermill run (or moves to the fixed side),
+never to the stored run.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import nbformat
 from labkit import _notebook_meta, runner, student
 from labkit.course import progress
 from labkit.parameters import declared_parameters
-from labkit.records import CLAIM_MIME, METRIC_MIME, stored_records
+from labkit.records import CLAIM_MIME, METRIC_MIME, read_notebook_json, stored_records
 
 TEST_DEVICE = "cpu"
 # The cases a CPU run cannot measure: on the CPU their verdict is exactly `needs-gpu`, never a
@@ -159,14 +163,110 @@ def default_parameters(notebook: Path) -> dict:
     return {name: parameter.default for name, parameter in declared_parameters(cell.source, notebook.name).items()}
 
 
+# How nbval (run by `make test` as `--nbval`, not `--nbval-lax`) marks a cell, by tag or by a `# NBVAL_...`
+# comment line (a comment wins over a tag): each marker sets one option, as nbval.plugin's
+# `comment_markers` and `metadata_tags` do. `check`: its outputs are compared (the default under
+# --nbval); `skip`: it is not executed. `check_exception` (raises-exception) lets the cell raise and
+# still compares its outputs, so it changes nothing here.
+NBVAL_MARKERS: dict[str, tuple[str, bool]] = {
+    "NBVAL_IGNORE_OUTPUT": ("check", False),
+    "PYTEST_VALIDATE_IGNORE_OUTPUT": ("check", False),
+    "NBVAL_CHECK_OUTPUT": ("check", True),
+    "NBVAL_RAISES_EXCEPTION": ("check_exception", True),
+    "NBVAL_SKIP": ("skip", True),
+}
+NBVAL_TAGS: dict[str, tuple[str, bool]] = {
+    **{marker.lower().replace("_", "-"): option for marker, option in NBVAL_MARKERS.items()},
+    "raises-exception": ("check_exception", True),
+}
+NOT_COMPARED = "recorded in a cell nbval does not compare; run it fresh"
+
+
+def nbval_compares(cell: dict) -> bool:
+    """Whether nbval, run as `make test` runs it, compares this cell's stored outputs with a fresh run."""
+    return not why_nbval_does_not_compare(cell)
+
+
+def why_nbval_does_not_compare(cell: dict) -> str:
+    """Why nbval does not compare this cell's stored outputs ("" when it does): not a code cell, never run
+    (nbval compares no unrun cell), skipped, or its output ignored, by tag or by comment."""
+    if cell.get("cell_type") != "code":
+        return "not a code cell"
+    if cell.get("execution_count") is None:
+        return "the cell was never run"
+    tags = cell.get("metadata", {}).get("tags", [])
+    found = {}  # option -> (value, the tag or comment that set it); the last one wins, a comment over a tag
+    for tag in tags if isinstance(tags, list) else []:
+        if tag in NBVAL_TAGS:
+            found[NBVAL_TAGS[tag][0]] = (NBVAL_TAGS[tag][1], f"tagged {tag}")
+    source = cell.get("source", "")
+    for line in ("".join(source) if isinstance(source, list) else source).splitlines():
+        comment = line.strip().lstrip("#").strip() if line.strip().startswith("#") else ""
+        if comment in NBVAL_MARKERS:
+            found[NBVAL_MARKERS[comment][0]] = (NBVAL_MARKERS[comment][1], f"marked # {comment}")
+    for option, value in (("skip", True), ("check", False)):
+        if option in found and found[option][0] is value:
+            return found[option][1]
+    return ""
+
+
+class StoredClaims(list):
+    """The claim records of the cells nbval compares; `not_compared` maps each left-out claim's ID to why."""
+
+    def __init__(self, *records, not_compared: dict[str, str] | None = None):
+        super().__init__(*records)
+        self.not_compared = dict(not_compared or {})
+
+
+class StoredMetrics(dict):
+    """The metrics of the cells nbval compares. Reading one recorded in a cell it does not compare is a
+    KeyError that says so, `get` included (its stored value is not proven fresh, so no default stands in)."""
+
+    def __init__(self, *args, not_compared: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.not_compared = dict(not_compared or {})
+
+    def __missing__(self, name):
+        if name in self.not_compared:
+            raise KeyError(f"metric {name!r}: {self.not_compared[name]}")
+        raise KeyError(name)
+
+    def get(self, name, default=None):
+        if name in self.not_compared and name not in self:
+            return self[name]
+        return super().get(name, default)
+
+
+def stored_records_nbval_compares(notebook: Path, mime: str) -> tuple[list[dict], dict[str, str]]:
+    """The records of one mimetype in the cells nbval compares (as `stored_records` reads them), and, for the
+    records of the cells it does not, each one's ID or name -> why it is left out."""
+    everything = stored_records(notebook, mime)  # the shape checks and the `notebook` key
+    reasons = [why_nbval_does_not_compare(cell) for cell in read_notebook_json(notebook)["cells"]
+               for output in cell.get("outputs", [])
+               if isinstance(output.get("data"), dict) and output["data"].get(mime) is not None]
+    assert len(reasons) == len(everything), f"{notebook.name}: its {mime} records read two ways disagree"
+    key = "id" if mime == CLAIM_MIME else "name"
+    compared = [record for record, reason in zip(everything, reasons) if not reason]
+    left_out = {str(record.get(key)): f"{notebook.name}: {NOT_COMPARED} ({reason})"
+                for record, reason in zip(everything, reasons) if reason}
+    return compared, left_out
+
+
 def stored_run(notebook: Path) -> runner.RunResult:
     """The committed notebook's own run at its defaults, shaped as `run_on_cpu`'s result: the claims and
-    metrics its stored outputs hold and the default parameters. No kernel: nbval proves these outputs
-    fresh in the same `make test`; the GPU-only cases must say `needs-gpu` here as on any CPU run."""
-    claims = [{key: record.get(key) for key in ("id", "verdict", "evidence")}
-              for record in stored_records(notebook, CLAIM_MIME)]
-    metrics = {record["name"]: record["value"] for record in stored_records(notebook, METRIC_MIME)}
-    measured_anyway = {c["id"]: c["verdict"] for c in claims if c["id"] in NEEDS_A_GPU_ON_CPU and c["verdict"] != "needs-gpu"}
+    metrics that the stored outputs of the cells nbval compares hold, and the default parameters. No
+    kernel: nbval proves these outputs fresh in the same `make test`. The records of a cell it does not
+    compare are left out (`StoredClaims.not_compared`, `StoredMetrics`: reading such a metric is a KeyError
+    saying why); a test that needs one runs that side fresh. The GPU-only cases must say `needs-gpu` in
+    every stored output, as on any CPU run."""
+    every_claim = [{key: record.get(key) for key in ("id", "verdict", "evidence")}
+                   for record in stored_records(notebook, CLAIM_MIME)]
+    measured_anyway = {c["id"]: c["verdict"] for c in every_claim
+                       if c["id"] in NEEDS_A_GPU_ON_CPU and c["verdict"] != "needs-gpu"}
     assert not measured_anyway, f"{notebook.name}'s stored outputs give GPU-only verdicts {measured_anyway}: not a CPU run"
+    claim_records, claims_left_out = stored_records_nbval_compares(notebook, CLAIM_MIME)
+    metric_records, metrics_left_out = stored_records_nbval_compares(notebook, METRIC_MIME)
+    claims = StoredClaims(({key: record.get(key) for key in ("id", "verdict", "evidence")} for record in claim_records),
+                          not_compared=claims_left_out)
+    metrics = StoredMetrics({record["name"]: record["value"] for record in metric_records}, not_compared=metrics_left_out)
     return runner.RunResult(notebook.stem, "ok", 0.0, str(notebook), default_parameters(notebook), "", claims, metrics)
-

@@ -5,7 +5,9 @@ measurement: at width 1 a weight's spectral norm is its only gain, so 2.5^depth 
 and the claim holds; at width 16 Gaussian weights fall far short of it.
 
 The bug side is the committed notebook's stored run at its defaults (SMALL differs from them only in seed
-and sizes; tests/notebook_runs.py, `stored_run`); the fix runs at SMALL on the student edition."""
+and sizes; tests/notebook_runs.py, `stored_run`); the fix runs at SMALL on the student edition. A2 and A4
+are recorded in cells nbval does not compare (tagged nbval-ignore-output), so the stored run leaves them
+out: only the fresh run shows them."""
 
 from pathlib import Path
 
@@ -36,7 +38,11 @@ def test_detached_block_is_unreachable_only_with_the_bug(tmp_path, student_editi
     verdicts = {record["id"]: record["verdict"] for record in result.claims}
     assert {case: verdicts[case] for case in MACHINE_INDEPENDENT} == MACHINE_INDEPENDENT
     assert verdicts["A8"] == ("partly" if bug else "holds")
-    assert set(verdicts) == set(MACHINE_INDEPENDENT) | {"A2", "A4", "A8"}
+    if bug:  # A2 and A4 are in cells nbval does not compare: the stored run leaves them out
+        assert set(verdicts) == set(MACHINE_INDEPENDENT) | {"A8"}
+        assert set(result.claims.not_compared) == {"A2", "A4"}
+    else:
+        assert set(verdicts) == set(MACHINE_INDEPENDENT) | {"A2", "A4", "A8"}
     uncovered = next(record["evidence"] for record in result.claims if record["id"] == "A3")
     assert f"{28 if bug else 0} of 64 pixels lie in no window" in uncovered
     if bug:

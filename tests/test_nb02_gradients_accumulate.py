@@ -8,7 +8,8 @@ micro-batch alone is no noisier than the batch, so B6's noise comparison has not
 
 The bug side is the committed notebook's stored run at its defaults (four micro-batches; PARAMETERS
 differs from them only in seed and sizes; tests/notebook_runs.py, `stored_run`); the fix runs at
-PARAMETERS on the student edition.
+PARAMETERS on the student edition. B5 (GPU-only) is recorded in a cell nbval does not compare (tagged
+nbval-ignore-output), so the stored run leaves it out: only the fixed run asserts its `needs-gpu`.
 """
 
 from pathlib import Path
@@ -41,10 +42,11 @@ def run(request, tmp_path_factory, student_editions):
 
 
 def test_verdicts_do_not_depend_on_the_bug_switch(run):
-    _, result = run
+    bug, result = run
     verdicts = {record["id"]: record["verdict"] for record in result.claims}
     assert {case: verdicts.get(case) for case in VERDICTS} == VERDICTS
-    assert verdicts["B5"] == "needs-gpu"
+    if not bug:  # B5's cell is not compared by nbval, so the stored run leaves it out
+        assert verdicts["B5"] == "needs-gpu"
 
 
 def test_accumulation_verdicts_follow_the_number_of_micro_batches(run):

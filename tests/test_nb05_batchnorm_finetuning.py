@@ -2,37 +2,67 @@
 
 The planted bug leaves the frozen backbone in train mode while the head trains: its BatchNorm running
 means drift towards the fine-tuning batches, and at batch size 2 the head's test accuracy drops.
+
+`bug` only picks which of two fine-tunings the reproduction reports (`eval_acc`, `running_mean_drift`):
+the backbone in train mode (`all_train`) or in eval mode (`all_eval`). Case D2's grid runs both at the
+notebook's batch size and seeds whatever `bug` says, and `train_mode_cost` is their difference on the
+first seed. So the fixed run (the student edition, at batch 2 on seed 1) also holds what the bug side
+computed at the same settings: train mode's accuracy (`eval_acc - train_mode_cost`) and its running-mean
+drift (D2's evidence; with one seed it is that seed's run). That the switch picks train mode is read
+from the committed notebook's stored run at its defaults (bug=True; tests/notebook_runs.py,
+`stored_run`; nbval proves it fresh in the same `make test`): its reproduction's running means moved,
+which only train mode does. Its batch 4 is not where train mode's cost shows on seed 0 (0.45 points, the
+notebook's own prose says to read the seeds' mean), so there the cost is read as the notebook reports
+it, over its seeds.
 """
 
+import re
 from pathlib import Path
 
 import pytest
-from notebook_runs import run_on_cpu, run_student_edition_on_cpu
+from notebook_runs import run_on_cpu, run_student_edition_on_cpu, stored_run
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_batchnorm_finetuning.ipynb"
 pytestmark = pytest.mark.lock_only
 # Small, non-default settings: one seed, batch size 2 (where train mode hurts most), shorter runs.
 PARAMETERS = {"seed": 1, "seeds": 1, "batch_size": 2, "pretrain_steps": 200, "finetune_steps": 150}
+# D2's evidence: the largest running-mean drift of the train-mode fine-tunings at the notebook's batch size.
+TRAIN_MODE_DRIFT = re.compile(r"\(train mode, BN weight/bias frozen\) .*? with running-mean drift up to ([\d.]+) pretrained std")
+# D4's evidence: eval-mode accuracy minus train-mode accuracy at batch 2, the mean over the run's seeds.
+TRAIN_MODE_COST_AT_BATCH_2 = re.compile(r"in train mode cost (-?[\d.]+)% accuracy at batch 2 \(mean of (\d+) seeds\)")
+
+
+def claim_evidence(result, claim_id: str) -> str:
+    return next(claim["evidence"] for claim in result.claims if claim["id"] == claim_id)
 
 
 @pytest.mark.parametrize("bug", [True, False])
 def test_train_mode_backbone_drifts_and_loses_accuracy_only_with_the_bug(tmp_path, student_editions, bug):
-    if bug:
-        result = run_on_cpu(NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug))
+    if bug:  # the notebook's default: its stored run
+        result = stored_run(NOTEBOOK)
+        assert result.parameters["bug"] is True
     else:  # the fix, on the student edition: it also runs as a learner's untouched edition must
         result = run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, tmp_path, dict(PARAMETERS, bug=bug))
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts == {"D1": "does-not-hold", "D2": "does-not-hold", "D3": "does-not-hold", "D4": "holds"}
     metrics = result.metrics
-    # train_mode_cost is measured both ways in every run: eval-mode accuracy minus train-mode accuracy.
-    assert metrics["train_mode_cost"] > 0.05
     if bug:
+        # The reproduction's running means moved: the switch fine-tuned with the backbone in train mode.
         assert metrics["running_mean_drift"] > 0.1
-        assert metrics["eval_acc"] < metrics["eval_acc_recalibrated"] - 0.05
+        # Train mode costs accuracy over the seeds at batch 2 (D4), and on this seed at the defaults' batch.
+        cost_percent, seeds = TRAIN_MODE_COST_AT_BATCH_2.search(claim_evidence(result, "D4")).groups()
+        assert int(seeds) == result.parameters["seeds"] > 1 and float(cost_percent) > 5
+        assert metrics["train_mode_cost"] > 0
     else:
         assert metrics["running_mean_drift"] == 0
         assert metrics["eval_acc"] > metrics["eval_acc_recalibrated"] - 0.05
+        # What bug=True reports at these settings, measured beside the fix: train mode at batch 2 on this
+        # seed drifts and loses accuracy (train_mode_cost: eval-mode minus train-mode accuracy, this seed).
+        assert metrics["train_mode_cost"] > 0.05
+        train_mode_acc = metrics["eval_acc"] - metrics["train_mode_cost"]
+        assert train_mode_acc < metrics["eval_acc_recalibrated"] - 0.05
+        assert float(TRAIN_MODE_DRIFT.search(claim_evidence(result, "D2")).group(1)) > 0.1
 
 
 def test_headline_remedy_verdict_follows_the_paired_accuracy(tmp_path):

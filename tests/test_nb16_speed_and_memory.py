@@ -6,7 +6,9 @@ checkpoint copies per call;
 K7 stays `does-not-hold`; the GPU-only cases record `needs-gpu` on a CPU.
 
 The first test reads the committed notebook's stored run at its defaults (its sizes and seed were all that
-differed; tests/notebook_runs.py, `stored_run`); the one-row run is of the student edition."""
+differed; tests/notebook_runs.py, `stored_run`); the one-row run is of the student edition. The GPU-only
+cases K3, K5 and K6 are recorded in cells nbval does not compare (tagged nbval-ignore-output), so the stored
+run leaves them out: their `needs-gpu` and K6's evidence are asserted on the one-row run."""
 
 from pathlib import Path
 
@@ -31,12 +33,12 @@ def test_checkpointing_and_memory_summary_verdicts_hold_at_the_default_sizes():
     result, verdicts, evidence = verdicts_and_evidence(stored_run(NOTEBOOK))
     assert verdicts["K4"] == "partly"
     assert verdicts["K7"] == "does-not-hold"
-    assert verdicts["K3"] == verdicts["K5"] == verdicts["K6"] == "needs-gpu"
     # checkpointing whole blocks keeps their inputs, not their insides: well under half the memory
     assert 0 < result.metrics["checkpointed_blocks_memory_ratio"] < 0.5
     assert "fail with TypeError" in evidence["K4"] and "with the same gradients" in evidence["K4"]
     assert "none about weight decay" in evidence["K7"] and "is the same" in evidence["K7"]
-    assert all(f"at {length}" in evidence["K6"] for length in result.parameters["attention_lengths"])
+    # K3, K5 and K6 are in cells nbval does not compare: the stored run leaves them out
+    assert {"K3", "K5", "K6"} <= set(result.claims.not_compared) and not {"K3", "K5", "K6"} & set(verdicts)
 
 
 def test_checkpointing_keeps_more_than_it_frees_on_a_one_row_input(tmp_path, student_editions):
@@ -48,3 +50,6 @@ def test_checkpointing_keeps_more_than_it_frees_on_a_one_row_input(tmp_path, stu
     # the RNG-state copies, one per checkpointed block, outweigh the activations checkpointing frees
     assert result.metrics["checkpointed_blocks_memory_ratio"] > 1
     assert "3 RNG states" in evidence["K4"] and "with the same gradients" in evidence["K4"]
+    # the GPU-only cases, from cells nbval does not compare, so from this fresh run
+    assert verdicts["K3"] == verdicts["K5"] == verdicts["K6"] == "needs-gpu"
+    assert all(f"at {length}" in evidence["K6"] for length in result.parameters["attention_lengths"])
