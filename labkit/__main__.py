@@ -22,7 +22,7 @@ COMMANDS = {
     "workbook": ("labkit.runner", "workbook_main", "run every notebook under runs/<name>/ and write the summary"),
     "repro": ("labkit.runner.repro_command", "repro_main", "rerun one notebook with validated parameters"),
     "student": ("labkit.student", "main", "write the student edition (solutions removed)"),
-    "progress": ("labkit.course.progress", "main", "re-check a learner's answers: which exercises pass"),
+    "progress": ("labkit.course.exercise_progress", "main", "re-check a learner's answers: which exercises pass"),
     "course": ("labkit.course.cli", "main", "mark check cells as nbgrader tests, lay out an nbgrader course"),
 }
 

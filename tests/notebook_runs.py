@@ -42,7 +42,7 @@ from pathlib import Path
 import nbformat
 
 from labkit import _notebook_meta, runner, student
-from labkit.course import progress
+from labkit.course import exercise_progress
 from labkit.parameters import declared_parameters
 from labkit.records import CLAIM_MIME, METRIC_MIME, read_notebook_json, stored_records
 
@@ -144,8 +144,8 @@ def run_student_edition_on_cpu(edition: Path, source: Path, out_dir: Path, param
     assert sorted(checked) == sorted(exercise_ids)
     score = next(cell for cell in executed.cells if cell.source.strip() == "grading.score()")
     assert f"0/{len(exercise_ids)} exercises passed" in cell_text(score)
-    rows = {row.exercise: row.status for row in progress.course_progress(Path(result.output).parent)}
-    assert {eid: rows[eid] for eid in exercise_ids} == dict.fromkeys(exercise_ids, progress.NOT_YET)
+    rows = {row.exercise: row.status for row in exercise_progress.course_progress(Path(result.output).parent)}
+    assert {eid: rows[eid] for eid in exercise_ids} == dict.fromkeys(exercise_ids, exercise_progress.NOT_YET)
     return result
 
 

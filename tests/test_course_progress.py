@@ -16,7 +16,7 @@ import pytest
 
 from labkit import grading, student
 from labkit.__main__ import main as labkit_main
-from labkit.course import progress
+from labkit.course import exercise_progress
 from labkit.errors import LabkitError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,15 +52,15 @@ def answered(exercise_id: str):
 
 
 def statuses(folder: Path) -> dict[str, str]:
-    report = progress.recheck_folder(folder)
-    assert report.method == progress.RECHECKED
+    report = exercise_progress.recheck_folder(folder)
+    assert report.method == exercise_progress.RECHECKED
     return {row.exercise: row.status for row in report.rows if row.exercise.startswith("00.")}
 
 
 def test_an_untouched_edition_is_not_yet_and_an_answer_passes(learner):
-    assert statuses(learner) == {"00.1": progress.NOT_YET, "00.2": progress.NOT_YET}
+    assert statuses(learner) == {"00.1": exercise_progress.NOT_YET, "00.2": exercise_progress.NOT_YET}
     edit(learner, answered("00.1"))
-    assert statuses(learner) == {"00.1": progress.PASSED, "00.2": progress.NOT_YET}
+    assert statuses(learner) == {"00.1": exercise_progress.PASSED, "00.2": exercise_progress.NOT_YET}
 
 
 def test_a_faked_check_cell_and_stored_pass_count_for_nothing(learner):
@@ -71,16 +71,16 @@ def test_a_faked_check_cell_and_stored_pass_count_for_nothing(learner):
                 cell.source = "print('passed')"
                 cell.outputs = [nbformat.v4.new_output("display_data", data={grading.GRADE_MIMETYPE: payload})]
     edit(learner, fake)
-    assert statuses(learner)["00.2"] == progress.NOT_YET
-    stored = {row.exercise: row.status for row in progress.stored_report(learner).rows}
-    assert stored["00.2"] == progress.PASSED  # what --stored would have believed
+    assert statuses(learner)["00.2"] == exercise_progress.NOT_YET
+    stored = {row.exercise: row.status for row in exercise_progress.stored_report(learner).rows}
+    assert stored["00.2"] == exercise_progress.PASSED  # what --stored would have believed
 
 
 def test_a_copy_of_the_solution_notebook_is_skipped_and_named(learner, capsys):
     shutil.copy(ROOT / "notebooks" / NAME, learner / "00_start_here-Copy1.ipynb")
-    report = progress.recheck_folder(learner)
+    report = exercise_progress.recheck_folder(learner)
     assert report.skipped == ["00_start_here-Copy1.ipynb"]
-    assert {row.exercise: row.status for row in report.rows}["00.1"] == progress.NOT_YET
+    assert {row.exercise: row.status for row in report.rows}["00.1"] == exercise_progress.NOT_YET
     assert labkit_main(["progress", str(learner)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"Re-ran every answer in {learner} through its check (stored outputs ignored).")
@@ -89,12 +89,12 @@ def test_a_copy_of_the_solution_notebook_is_skipped_and_named(learner, capsys):
 
 def test_a_deleted_exercise_cell_is_named_with_the_fix(learner, capsys):
     edit(learner, lambda nb: nb.cells.remove(next(c for c in nb.cells if student.exercise_id_of(c) == "00.2")))
-    row = next(row for row in progress.recheck_folder(learner).rows if row.exercise == "00.2")
-    assert row.status == progress.MISSING
+    row = next(row for row in exercise_progress.recheck_folder(learner).rows if row.exercise == "00.2")
+    assert row.status == exercise_progress.MISSING
     assert "00_start_here.ipynb has no cell starting '# exercise 00.2' (deleted?)" in row.message
     assert labkit_main(["progress", str(learner), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (report["method"], report["total"]["missing"]) == (progress.RECHECKED, 1)
+    assert (report["method"], report["total"]["missing"]) == (exercise_progress.RECHECKED, 1)
 
 
 def test_an_answer_cell_that_never_finishes_is_stopped(learner, monkeypatch):
@@ -102,8 +102,8 @@ def test_an_answer_cell_that_never_finishes_is_stopped(learner, monkeypatch):
     edit(learner, answered("00.1"))
     edit(learner, lambda nb: setattr(next(c for c in nb.cells if student.exercise_id_of(c) == "00.1"), "source",
                                      "# exercise 00.1\nwhile True:\n    pass\n"))
-    row = next(row for row in progress.recheck_folder(learner).rows if row.exercise == "00.1")
-    assert row.status == progress.NOT_YET
+    row = next(row for row in exercise_progress.recheck_folder(learner).rows if row.exercise == "00.1")
+    assert row.status == exercise_progress.NOT_YET
     assert "the exercise cell did not finish within" in row.message  # 0.5 s of CPU, or 3 s of waiting on a busy machine
 
 
@@ -114,15 +114,15 @@ def test_stored_mode_says_it_can_be_faked(learner, capsys):
 
 def test_a_missing_source_folder_is_a_clear_error(learner, tmp_path):
     with pytest.raises(LabkitError, match="no solution notebooks in .*pass --source"):
-        progress.recheck_folder(learner, tmp_path / "nowhere")
+        exercise_progress.recheck_folder(learner, tmp_path / "nowhere")
 
 
 def test_the_default_solutions_are_the_current_checkout_s_not_labkit_s_folder(learner, monkeypatch):
     """An installed labkit has no notebooks beside it: the default is the checkout the command runs in."""
-    assert progress.DEFAULT_SOURCE == Path("notebooks")
+    assert exercise_progress.DEFAULT_SOURCE == Path("notebooks")
     monkeypatch.chdir(learner)  # a folder that is no checkout: no notebooks/ in it
     with pytest.raises(LabkitError, match=r"no solution notebooks in notebooks: .*a checkout holds .*run from the checkout"):
-        progress.recheck_folder(learner)
+        exercise_progress.recheck_folder(learner)
 
 
 def test_deleted_check_and_text_cells_still_leave_the_answer_graded_and_the_file_untouched(learner):
@@ -132,7 +132,7 @@ def test_deleted_check_and_text_cells_still_leave_the_answer_graded_and_the_file
         nb.cells = [cell for cell in nb.cells if cell.cell_type == "code" and 'grading.check(' not in cell.source]
     edit(learner, delete)
     before = (learner / NAME).read_bytes()
-    assert statuses(learner) == {"00.1": progress.PASSED, "00.2": progress.NOT_YET}
+    assert statuses(learner) == {"00.1": exercise_progress.PASSED, "00.2": exercise_progress.NOT_YET}
     assert (learner / NAME).read_bytes() == before, "labkit progress wrote into the learner's notebook"
 
 
@@ -142,8 +142,8 @@ def test_an_exercise_renumbered_by_the_learner_is_named_and_nothing_is_written(l
         cell.source = cell.source.replace("# exercise 00.2", "# exercise 00.9", 1)
     edit(learner, renumber)
     before = (learner / NAME).read_bytes()
-    row = next(row for row in progress.recheck_folder(learner).rows if row.exercise == "00.2")
-    assert row.status == progress.MISSING
+    row = next(row for row in exercise_progress.recheck_folder(learner).rows if row.exercise == "00.2")
+    assert row.status == exercise_progress.MISSING
     assert "it has a cell for exercise 00.9, which is not one of 00_start_here's exercises" in row.message
     assert "put back '# exercise 00.2'" in row.message
     assert (learner / NAME).read_bytes() == before

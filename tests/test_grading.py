@@ -15,7 +15,7 @@ import torch
 
 from labkit import exercises, grading
 from labkit.__main__ import main as labkit_main
-from labkit.course import progress
+from labkit.course import exercise_progress
 from labkit.errors import LabkitError
 
 
@@ -232,25 +232,25 @@ def test_progress_classifies_passed_not_yet_and_not_run(tmp_path):
     nbformat.write(graded_notebook(verdict("00.1", False)), tmp_path / "00_start_here.ipynb")
     # A copy saved by the learner passes 00.1: a pass anywhere counts.
     nbformat.write(graded_notebook(verdict("00.1", True)), tmp_path / "00_start_here-Copy1.ipynb")
-    rows = {row.exercise: row for row in progress.course_progress(tmp_path)}
-    assert rows["00.1"].status == progress.PASSED
-    assert rows["00.2"].status == progress.NOT_RUN
+    rows = {row.exercise: row for row in exercise_progress.course_progress(tmp_path)}
+    assert rows["00.1"].status == exercise_progress.PASSED
+    assert rows["00.2"].status == exercise_progress.NOT_RUN
     assert rows["00.2"].title == "one gradient per call"
 
 
 def test_progress_reads_the_latest_output_and_keeps_unknown_exercises(tmp_path):
     nbformat.write(graded_notebook(verdict("00.2", True), verdict("00.2", False)), tmp_path / "00_start_here.ipynb")
     nbformat.write(graded_notebook(verdict("42.1", True, "42_future")), tmp_path / "42_future.ipynb")
-    rows = {row.exercise: row for row in progress.course_progress(tmp_path)}
-    assert rows["00.2"].status == progress.NOT_YET
+    rows = {row.exercise: row for row in exercise_progress.course_progress(tmp_path)}
+    assert rows["00.2"].status == exercise_progress.NOT_YET
     assert rows["00.2"].message == "✗ Exercise 00.2"
-    assert (rows["42.1"].notebook, rows["42.1"].status) == ("42_future", progress.PASSED)
+    assert (rows["42.1"].notebook, rows["42.1"].status) == ("42_future", exercise_progress.PASSED)
     assert list(rows)[-1] == "42.1"
 
 
 def test_progress_table_has_a_total_line(tmp_path):
     nbformat.write(graded_notebook(verdict("00.1", True)), tmp_path / "00_start_here.ipynb")
-    table = progress.progress_table(progress.course_progress(tmp_path))
+    table = exercise_progress.progress_table(exercise_progress.course_progress(tmp_path))
     lines = table.splitlines()
     assert lines[0].split() == ["notebook", "exercise", "status", "title"]
     assert lines[1].split()[:3] == ["00_start_here", "00.1", "passed"]
@@ -287,6 +287,6 @@ def test_progress_fails_clearly_on_a_bad_folder(tmp_path, capsys, setup, problem
     folder = tmp_path / "student"
     setup(folder)
     with pytest.raises(LabkitError, match=problem):
-        progress.course_progress(folder)
+        exercise_progress.course_progress(folder)
     assert labkit_main(["progress", str(folder)]) == 2
     assert problem in capsys.readouterr().err

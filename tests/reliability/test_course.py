@@ -23,7 +23,7 @@ from torch import nn
 
 from labkit import _check_sandbox, claims_report, grading, records, student
 from labkit.__main__ import main as labkit_main
-from labkit.course import progress
+from labkit.course import exercise_progress
 from labkit.errors import LabkitError
 
 SHORT_LIMIT_S = 1.0
@@ -391,7 +391,7 @@ def test_a_grade_payload_without_passed_is_a_labkit_error_naming_the_file(tmp_pa
     path = notebook_with_output(tmp_path / "00_start_here.ipynb", grading.GRADE_MIMETYPE,
                                 {"exercise": "00.1", "notebook": "00_start_here", "message": "✓"})
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb cell 1: the stored record has no 'passed' field"):
-        progress.course_progress(tmp_path)
+        exercise_progress.course_progress(tmp_path)
     assert labkit_main(["progress", str(tmp_path), "--stored"]) == 2
     assert str(path) in capsys.readouterr().err
 
@@ -400,7 +400,7 @@ def test_a_grade_payload_without_passed_is_a_labkit_error_naming_the_file(tmp_pa
 def test_a_grade_payload_that_is_a_string_is_a_labkit_error(tmp_path):
     notebook_with_output(tmp_path / "00_start_here.ipynb", grading.GRADE_MIMETYPE, "passed")
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb cell 1: a stored record must be a JSON object, got str"):
-        progress.course_progress(tmp_path)
+        exercise_progress.course_progress(tmp_path)
 
 
 @pytest.mark.trial("extra")
@@ -408,7 +408,7 @@ def test_a_grade_whose_passed_is_a_string_is_a_labkit_error(tmp_path):
     notebook_with_output(tmp_path / "00_start_here.ipynb", grading.GRADE_MIMETYPE,
                          {"exercise": "00.1", "passed": "false", "message": "✗"})
     with pytest.raises(LabkitError, match="'passed' is a str, not a bool"):
-        progress.course_progress(tmp_path)
+        exercise_progress.course_progress(tmp_path)
 
 
 @pytest.mark.trial("PR6-7")
@@ -418,7 +418,7 @@ def test_a_notebook_of_the_wrong_shape_is_a_labkit_error_for_progress_and_claims
     path = tmp_path / "00_start_here.ipynb"
     path.write_text(json.dumps(content))
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb"):
-        progress.course_progress(tmp_path)
+        exercise_progress.course_progress(tmp_path)
     with pytest.raises(LabkitError, match=r"00_start_here\.ipynb"):
         claims_report.collect([path])
     assert labkit_main(["claims", str(path)]) == 2
