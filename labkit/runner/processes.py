@@ -4,8 +4,10 @@ Papermill starts the kernel in a session of its own and the kernel may start pro
 (a `sleep`, DataLoader workers, ranks), so killing papermill's process group misses them. `stop_tree`
 instead walks the tree with psutil, freezes it so nothing new is started while it is being
 stopped, and kills every process in it: the same on Linux, macOS and Windows (no ``os.killpg``, no
-``signal.SIGKILL``, which Windows lacks). `termination_as_interrupt` turns SIGTERM (and SIGHUP,
-SIGBREAK where they exist) into `KeyboardInterrupt`, so ``kill PID`` cleans up exactly as Ctrl-C does.
+``signal.SIGKILL``, which Windows lacks). `termination_as_interrupt` turns SIGINT and SIGTERM (and SIGHUP,
+SIGBREAK where they exist) into `KeyboardInterrupt`, so ``kill PID`` cleans up exactly as Ctrl-C does, and
+Ctrl-C still does when the process started with SIGINT ignored (a shell script's background job), where
+Python would not install its own handler.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ RUN_TAG_VARIABLE = "LABKIT_RUN_TAG"
 KILL_WAIT_SECONDS = 5.0  # how long to wait for killed processes to be gone
 POLL_SECONDS = 0.05
 # Signals that ask a process to end; only those this platform has are handled.
-TERMINATION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGBREAK") if hasattr(signal, name))
+TERMINATION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGBREAK")
+                            if hasattr(signal, name))
 
 
 def stop_tree(pid: int, tag: str | None = None) -> list[int]:

@@ -122,8 +122,10 @@ def wait_for(path: Path, seconds: float = 45) -> None:
 
 
 def start_repro(args: list[str], cwd: Path, tag: str) -> subprocess.Popen:
+    # Started with SIGINT ignored, as a shell script's background job is: Ctrl-C must stop it all the same.
     return subprocess.Popen([sys.executable, "-m", "labkit", "repro", *args], cwd=cwd, env=tagged_env(tag),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
 
 
 def cli(args: list[str], capsys) -> tuple[int, str]:
