@@ -83,13 +83,17 @@ def run_on_cpu(notebook: Path, out_dir: Path, parameters: dict, timeout: float =
 _FINISHED: dict[tuple, tuple] = {}
 _SNAPSHOTS = Path(tempfile.mkdtemp(prefix="labkit-test-runs-"))
 atexit.register(shutil.rmtree, _SNAPSHOTS, ignore_errors=True)
-# Variables pytest changes from test to test; they do not reach what a notebook computes.
+# Variables that change from test to test and do not reach what a notebook computes: pytest's own, and the
+# kernel counter's (tests/conftest.py names each test in LABKIT_KERNEL_TEST). Left in the key, they would
+# make every test's run a new one, and a run two tests ask for would be paid twice.
 _PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+_PER_TEST_PREFIX = "LABKIT_KERNEL_"
 
 
 def _run_key(notebook: Path, parameters: dict) -> tuple:
     """What decides a run's outcome: the notebook's bytes, its parameters, the environment the kernel inherits."""
-    environment = sorted((k, v) for k, v in os.environ.items() if k not in _PER_TEST_VARIABLES)
+    environment = sorted((k, v) for k, v in os.environ.items()
+                         if k not in _PER_TEST_VARIABLES and not k.startswith(_PER_TEST_PREFIX))
     return (str(notebook.resolve()), hashlib.sha256(notebook.read_bytes()).hexdigest(),
             json.dumps(parameters, sort_keys=True, default=repr), json.dumps(environment))
 

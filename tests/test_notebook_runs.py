@@ -7,6 +7,7 @@ import ast
 import json
 from pathlib import Path
 
+import notebook_runs
 import pytest
 import torch
 from notebook_runs import TEST_DEVICE, cpu_parameters, run_on_cpu
@@ -89,3 +90,17 @@ def test_a_second_identical_run_is_a_copy_and_reuse_false_or_a_changed_notebook_
         (notebook, tmp_path / "fresh", cpu), (notebook, tmp_path / "changed", cpu)]
     assert "ran again" not in handed[0][3] and "ran again" in handed[1][3], "the changed notebook was handed over"
     assert runs_log.read_text() == "ran\n", "only the first run executed the notebook"
+
+
+def test_a_run_is_the_same_run_in_every_test(make_notebook, monkeypatch):
+    # The kernel counter names the running test in the environment (tests/conftest.py); a run two tests ask
+    # for must still be paid once.
+    notebook = make_notebook("same", 'device = "cpu"', "print(1)")
+    keys = []
+    for test in ("tests/test_a.py::one", "tests/test_b.py::two"):
+        monkeypatch.setenv("LABKIT_KERNEL_TEST", test)
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{test} (call)")
+        keys.append(notebook_runs._run_key(notebook, {"device": "cpu"}))
+    assert keys[0] == keys[1]
+    monkeypatch.setenv("LABKIT_SOMETHING_ELSE", "1")  # any other variable still makes another run
+    assert notebook_runs._run_key(notebook, {"device": "cpu"}) != keys[0]
