@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
-    if argv == ["--version"]:
+    if argv[0] == "--version":
+        if argv[1:]:
+            print(f"labkit: --version takes no arguments, got {' '.join(argv[1:])!r}\n\n{usage()}", file=sys.stderr)
+            return 2
         print(describe())  # the version and the git commit: no command module, no torch
         return 0
     name, rest = argv[0], argv[1:]

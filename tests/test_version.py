@@ -13,6 +13,7 @@ import pytest
 
 import labkit
 from labkit import _version
+from labkit.__main__ import main as labkit_main
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT_VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -76,3 +77,9 @@ def test_no_commit_outside_labkits_own_checkout(monkeypatch, tmp_path, fresh_com
     _version.git_commit.cache_clear()
     assert _version.git_commit() is None
     assert _version.describe() == f"labkit {PYPROJECT_VERSION}"
+
+
+def test_version_with_arguments_says_it_takes_none(capsys):
+    assert labkit_main(["--version", "claims"]) == 2
+    error = capsys.readouterr().err
+    assert "--version takes no arguments, got 'claims'" in error and "unknown command" not in error
