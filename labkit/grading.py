@@ -16,10 +16,11 @@ exercises pass across the course. The checks themselves live in `labkit/exercise
 
 from __future__ import annotations
 
+import linecache
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 
 import numpy as np
@@ -27,7 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit._check_sandbox import _AnswerRaised, _Attempt, _CheckTimedOut, _isolated_check, _plain_str
+from labkit._check_sandbox import (
+    WALL_LIMIT_FACTOR,
+    _AnswerRaised,
+    _Attempt,
+    _CheckTimedOut,
+    _isolated_check,
+    _plain_str,
+)
+from labkit._grader_process import grade_in_child
 from labkit.errors import LabkitError
 from labkit.exercises import Exercise, Hint, NotYet, registry
 from labkit.messages import describe_error
@@ -58,13 +67,20 @@ _WHERE_TO_ANSWER = (
     "in the cell marked '# exercise {id}', replace the lines '# YOUR CODE HERE' and 'raise NotImplementedError(...)' "
     "with your answer, run that cell, then run this check"
 )
-# Said after every hint but the last, so the learner knows a second failed try tells more.
+# Said after a hint only when the next failed try's hint is a different one, so the promise is kept.
 _MORE_HINTS = " If your next try fails too, its hint says more."
+# The last step of a progressive hint is the recipe; it is held back until this failed try, so a
+# learner tries a few times with nudges before being handed the answer.
+RECIPE_TRY = 4
+# How the first line of an exercise cell reads (labkit.student.EXERCISE_HEADER says the same).
+_EXERCISE_HEADER = "# exercise {id}"
 # The latest verdict per exercise in this kernel session; `score` reads it.
 _SESSION: dict[str, Result] = {}
 # How many attempts at each exercise failed in this kernel session (a stub's "not attempted" does
 # not count); `check` shows the hint for the next attempt, so hints grow more explicit.
 _FAILED_TRIES: dict[str, int] = {}
+# The exercises whose recipe a failed try has shown in this kernel session.
+_RECIPE_SHOWN: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,10 @@ class Result:
     notebook: str
     passed: bool
     message: str
+    # this failure's hint was the recipe (the last step of a progressive hint)
+    recipe_shown: bool = False
+    # this pass came after the recipe had been shown in the same kernel session
+    after_recipe: bool = False
 
 
 def known_exercises() -> list[str]:
@@ -82,7 +102,8 @@ def known_exercises() -> list[str]:
     return list(registry())
 
 
-def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None = None, try_number: int = 1) -> Result:
+def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None = None, try_number: int = 1,
+              follow_up: bool = True) -> Result:
     """Check ``answer`` for ``exercise_id`` and return the verdict without printing or recording it.
 
     Used in 00_start_here. Raises `LabkitError` only for an unknown ID; a wrong, unfinished,
@@ -91,7 +112,9 @@ def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None 
     `CHECK_TIME_LIMIT_S`) and leaves the notebook's global state as it found it (see
     `_isolated_check`). Ctrl-C (the notebook's stop button) is not a verdict: it stops the check,
     says so, and propagates, so "Run all" stops as the learner asked. Hints are progressive:
-    ``try_number`` (1 for a first try) picks how explicit the hint of a failure is (`hint_for`).
+    ``try_number`` (1 for a first try) picks how explicit the hint of a failure is (`hint_for`);
+    ``follow_up=False`` (a re-check in a report, which has no next try) leaves out the promise that
+    the next try's hint says more.
     """
     spec = _lookup(exercise_id)
     if not (isinstance(try_number, int) and not isinstance(try_number, bool) and try_number >= 1):
@@ -111,9 +134,9 @@ def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None 
         with _isolated_check(spec, attempt, limit):
             praise = spec.check(attempt.call)
     except NotYet as verdict:
-        return _not_yet(spec, verdict.problem, verdict.hint, try_number)
+        return _not_yet(spec, verdict.problem, verdict.hint, try_number, follow_up)
     except _AnswerRaised as raised:
-        return _answer_raised(spec, name, raised.error)
+        return _answer_raised(spec, name, raised.error, try_number, follow_up)
     except _CheckTimedOut as stopped:
         if attempt.stopped:
             return _not_yet(
@@ -130,7 +153,7 @@ def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None 
     return Result(spec.id, spec.notebook, True, f"✓ Exercise {spec.id} passed: {_sentence(praise)}")
 
 
-def _answer_raised(spec: Exercise, name: str, error: BaseException) -> Result:
+def _answer_raised(spec: Exercise, name: str, error: BaseException, try_number: int, follow_up: bool) -> Result:
     if isinstance(error, NotImplementedError):
         # The fix is the exercise itself, so before a first attempt the hint only says where to write.
         return _not_yet(spec, _NOT_ATTEMPTED.format(name=name), _WHERE_TO_ANSWER.format(id=spec.id))
@@ -140,28 +163,77 @@ def _answer_raised(spec: Exercise, name: str, error: BaseException) -> Result:
             f"{name} called exit() ({describe_error(error, MAX_ERROR_CHARS)}), which would end the notebook's kernel",
             hint="return the result instead of calling sys.exit() or exit()",
         )
-    return _not_yet(spec, f"{name} raised {describe_error(error, MAX_ERROR_CHARS)}")
+    return _not_yet(spec, f"{name} raised {describe_error(error, MAX_ERROR_CHARS)}", None, try_number, follow_up)
+
+
+def grade_cell(exercise_id: str, cell_source: str, function: str, *, where: str = "", try_number: int = 1,
+               follow_up: bool = True) -> Result:
+    """Run an exercise cell's source in a grading process of its own, then check the ``function`` it defines.
+
+    The verdict that counts, for `check` in a kernel, for ``labkit progress`` and for nbgrader's
+    autograde alike (`labkit._grader_process`): what the cell does (patch torch or this module, exit,
+    hang, ignore the time limit) can fail only this exercise. The cell may use only what it defines
+    and `EXERCISE_NAMESPACE`.
+    """
+    spec = _lookup(exercise_id)
+    request = {"exercise": spec.id, "source": cell_source, "function": function,
+               "where": where or f"exercise {spec.id}", "try_number": try_number, "follow_up": follow_up,
+               "time_limit_s": CHECK_TIME_LIMIT_S}
+    outcome = grade_in_child(request, CHECK_TIME_LIMIT_S * WALL_LIMIT_FACTOR)
+    if outcome.verdict is None:
+        return _not_yet(spec, f"your exercise cell could not be checked: {outcome.failure}", outcome.hint)
+    return Result(spec.id, spec.notebook, bool(outcome.verdict["passed"]), str(outcome.verdict["message"]),
+                  recipe_shown=bool(outcome.verdict["recipe_shown"]))
+
+
+def _answer_cell(exercise_id: str, answer: Callable) -> str | None:
+    """The source of the notebook cell that defined ``answer``, when that cell is exercise ``exercise_id``'s.
+
+    IPython keeps every executed cell's source in linecache under the file name it compiled it
+    with; a function defined elsewhere (a module, a test) has no such cell, and is checked here.
+    """
+    filename = getattr(getattr(answer, "__code__", None), "co_filename", "")
+    if not isinstance(filename, str) or "ipykernel_" not in filename and not filename.startswith("<ipython-input"):
+        return None
+    source = "".join(linecache.getlines(filename))
+    header = _EXERCISE_HEADER.format(id=exercise_id)
+    return source if source.lstrip().splitlines()[:1] == [header] else None
 
 
 def check(exercise_id: str, answer: Callable) -> None:
     """Check ``answer``, show the verdict and remember it for `score` (taught in 00_start_here).
 
-    Under nbgrader's autograde or validate (they set ``NBGRADER_EXECUTION``) a wrong answer also
+    When ``answer`` was defined in the exercise's own cell, that cell's source is graded in a
+    process of its own (`grade_cell`), so nothing else the notebook did can change the verdict;
+    otherwise the function is checked here (`run_check`). Under nbgrader's autograde or validate (they set ``NBGRADER_EXECUTION``) a wrong answer also
     raises `AssertionError` with the verdict, since nbgrader scores a test cell by whether it
     raises; in a learner's own kernel the verdict line is all there is.
     """
-    result = run_check(exercise_id, answer, try_number=_FAILED_TRIES.get(_lookup(exercise_id).id, 0) + 1)
-    _remember(result)
+    spec = _lookup(exercise_id)
+    try_number = _FAILED_TRIES.get(spec.id, 0) + 1
+    source = _answer_cell(spec.id, answer) if callable(answer) else None
+    function = _plain_str(getattr(answer, "__name__", None))
+    if source is not None and function:
+        result = grade_cell(spec.id, source, function, try_number=try_number)
+    else:
+        result = run_check(spec.id, answer, try_number=try_number)
+    result = _remember(result)
     _show(result)
     if not result.passed and os.environ.get(NBGRADER_EXECUTION):
         raise AssertionError(result.message)
 
 
-def _remember(result: Result) -> None:
-    """Keep the verdict for `score`, and count a failed try (not a stub) for the next hint."""
+def _remember(result: Result) -> Result:
+    """Keep the verdict for `score`, count a failed try (not a stub) for the next hint, and mark a
+    pass that came after the recipe was shown."""
+    if result.recipe_shown:
+        _RECIPE_SHOWN.add(result.exercise)
+    if result.passed and result.exercise in _RECIPE_SHOWN:
+        result = replace(result, after_recipe=True)
     _SESSION[result.exercise] = result
     if not result.passed and _NOT_ATTEMPTED_MARK not in result.message:
         _FAILED_TRIES[result.exercise] = _FAILED_TRIES.get(result.exercise, 0) + 1
+    return result
 
 
 def score() -> None:
@@ -192,21 +264,37 @@ def _lookup(exercise_id: str) -> Exercise:
     return exercises[exercise_id]
 
 
-def _not_yet(spec: Exercise, problem: str, hint: Hint | None = None, try_number: int = 1) -> Result:
-    shown, more = hint_for(hint or spec.hint, try_number)
-    message = f"✗ Exercise {spec.id} not yet: {_clause(problem)}. Hint: {_sentence(shown)}{more}"
-    return Result(spec.id, spec.notebook, False, message)
+def _not_yet(spec: Exercise, problem: str, hint: Hint | None = None, try_number: int = 1,
+             follow_up: bool = True) -> Result:
+    steps = _steps(hint or spec.hint)
+    shown, more = hint_for(steps, try_number)
+    message = f"✗ Exercise {spec.id} not yet: {_clause(problem)}. Hint: {_sentence(shown)}{more if follow_up else ''}"
+    recipe = len(steps) > 1 and _step_index(len(steps), try_number) == len(steps) - 1
+    return Result(spec.id, spec.notebook, False, message, recipe_shown=recipe)
 
 
 def hint_for(hint: Hint, try_number: int) -> tuple[str, str]:
     """The hint to show on the ``try_number``-th failed try, and the note that a more explicit one follows.
 
     A hint is one sentence, or a tuple of sentences from a nudge (the first try: what to look at)
-    to the recipe (the last), so a first failure never hands over the whole answer.
+    to the recipe (the last). The steps before the recipe come one per failed try, the last of
+    them repeated until try `RECIPE_TRY`, which shows the recipe. The note is given only when the
+    next try's hint differs, so it is never a promise the next try breaks.
     """
-    steps = (hint,) if isinstance(hint, str) else tuple(hint)
-    shown = steps[min(try_number, len(steps)) - 1]
-    return shown, (_MORE_HINTS if try_number < len(steps) else "")
+    steps = _steps(hint)
+    index = _step_index(len(steps), try_number)
+    more = _MORE_HINTS if _step_index(len(steps), try_number + 1) != index else ""
+    return steps[index], more
+
+
+def _steps(hint: Hint) -> tuple[str, ...]:
+    return (hint,) if isinstance(hint, str) else tuple(hint)
+
+
+def _step_index(count: int, try_number: int) -> int:
+    if count == 1 or try_number >= RECIPE_TRY:
+        return count - 1
+    return min(try_number, count - 1) - 1
 
 
 def _clause(text: str) -> str:
@@ -220,4 +308,10 @@ def _sentence(text: str) -> str:
 
 def _show(result: Result) -> None:
     """Display the verdict as JSON for `progress` plus plain text; plain print outside IPython."""
-    show_record(result.message, GRADE_MIMETYPE, asdict(result))
+    record = {key: value for key, value in asdict(result).items() if key in _RECORD_FIELDS}
+    if result.after_recipe:  # only then, so the stored records of a first-try pass stay as they were
+        record["after_recipe"] = True
+    show_record(result.message, GRADE_MIMETYPE, record)
+
+
+_RECORD_FIELDS = ("exercise", "notebook", "passed", "message")

@@ -47,23 +47,76 @@ def fresh_session(monkeypatch):
     """A kernel session with no checks run yet."""
     monkeypatch.setattr(grading, "_SESSION", {})
     monkeypatch.setattr(grading, "_FAILED_TRIES", {})
+    monkeypatch.setattr(grading, "_RECIPE_SHOWN", set())
 
 
 def hint_in(message: str) -> str:
     return message.split(". Hint: ", 1)[1]
 
 
-def test_hints_go_from_a_nudge_to_the_recipe_one_failed_try_at_a_time(fresh_session, capsys):
+def test_hints_go_from_a_nudge_to_the_recipe_which_waits_for_the_fourth_failed_try(fresh_session, capsys):
     steps = exercises.registry()["00.1"].hint
     assert len(steps) >= 2
     shown = []
-    for _ in range(len(steps) + 1):
+    for _ in range(grading.RECIPE_TRY + 1):
         grading.check("00.1", step_without_zero_grad)
         shown.append(hint_in(capsys.readouterr().out.strip()))
-    for hint, step in zip(shown, [*steps, steps[-1]]):
-        assert hint.startswith(step)
-    # every hint but the last says that a more explicit one follows
-    assert ["next try" in hint for hint in shown] == [True] * (len(steps) - 1) + [False, False]
+    expected = [grading.hint_for(steps, attempt)[0] for attempt in range(1, grading.RECIPE_TRY + 2)]
+    assert [hint.startswith(step) for hint, step in zip(shown, expected)] == [True] * len(shown)
+    assert not any(hint.startswith(steps[-1]) for hint in shown[:grading.RECIPE_TRY - 1])
+    assert shown[grading.RECIPE_TRY - 1].startswith(steps[-1])
+    assert_promises_kept(shown)
+
+
+def assert_promises_kept(shown: list[str]) -> None:
+    """A hint that says the next one says more is followed by a different one, and only then."""
+    promise = grading._MORE_HINTS.strip()
+    plain = [hint.removesuffix(promise).strip() for hint in shown]
+    for hint, step, following in zip(shown, plain, plain[1:]):
+        assert hint.endswith(promise) == (following != step), hint
+
+
+def raising_step(model, optimizer, x, y):
+    raise ValueError("shapes do not match")
+
+
+def test_an_answer_that_raises_gets_escalating_hints_with_kept_promises(fresh_session, capsys):
+    steps = exercises.registry()["00.1"].hint
+    shown = []
+    for _ in range(3):
+        grading.check("00.1", raising_step)
+        line = capsys.readouterr().out.strip()
+        assert "raising_step raised ValueError: shapes do not match" in line
+        shown.append(hint_in(line))
+    assert shown[0].startswith(steps[0])
+    assert len({hint.removesuffix(grading._MORE_HINTS.strip()).strip() for hint in shown}) >= 2, "never escalated"
+    assert_promises_kept(shown)
+
+
+def test_a_pass_after_the_recipe_is_recorded_and_a_first_try_pass_stores_the_old_record(fresh_session, capsys):
+    payloads = []
+    for _ in range(grading.RECIPE_TRY):
+        result = grading._remember(grading.run_check("00.1", step_without_zero_grad,
+                                                     try_number=grading._FAILED_TRIES.get("00.1", 0) + 1))
+    assert result.recipe_shown
+    passed = grading._remember(grading.run_check("00.1", correct_step))
+    assert passed.after_recipe
+    first_try = grading._remember(grading.run_check("00.2", per_call_grads))
+    assert not first_try.after_recipe
+    payloads = [record_of(passed), record_of(first_try)]
+    assert payloads[0]["after_recipe"] is True
+    assert set(payloads[1]) == {"exercise", "notebook", "passed", "message"}
+
+
+def record_of(result: grading.Result) -> dict:
+    captured = {}
+    original = grading.show_record
+    grading.show_record = lambda text, mime, record: captured.update(record)
+    try:
+        grading._show(result)
+    finally:
+        grading.show_record = original
+    return captured
 
 
 def test_a_stub_or_a_pass_does_not_use_up_a_hint(fresh_session, capsys):
@@ -79,10 +132,13 @@ def test_run_check_refuses_a_try_number_below_one():
         grading.run_check("00.1", correct_step, try_number=0)
 
 
-def test_hint_for_picks_the_step_and_keeps_the_last_one():
+def test_hint_for_holds_the_recipe_back_until_the_fourth_try_and_promises_only_a_change():
     assert grading.hint_for("only one", 5) == ("only one", "")
-    assert grading.hint_for(("nudge", "recipe"), 1) == ("nudge", grading._MORE_HINTS)
-    assert grading.hint_for(("nudge", "recipe"), 3) == ("recipe", "")
+    two = ("nudge", "recipe")
+    assert [grading.hint_for(two, attempt) for attempt in (1, 2, 3, 4, 5)] == [
+        ("nudge", ""), ("nudge", ""), ("nudge", grading._MORE_HINTS), ("recipe", ""), ("recipe", "")]
+    three = ("look", "closer", "recipe")
+    assert [grading.hint_for(three, attempt)[0] for attempt in (1, 2, 3, 4)] == ["look", "closer", "closer", "recipe"]
 
 
 def test_a_hint_that_is_not_a_sentence_or_a_tuple_of_them_is_refused():

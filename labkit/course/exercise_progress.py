@@ -1,11 +1,14 @@
 """Learner progress that stored outputs cannot fake: every answer is run through its check again.
 
 `python -m labkit progress [FOLDER]` reads each ``NN_*.ipynb`` in FOLDER (an executed student edition, or
-an nbgrader ``submitted/<learner>/<assignment>`` folder), runs each exercise cell's source in a fresh
-namespace holding only `grading.EXERCISE_NAMESPACE`, and checks the function it defines with
-`grading.run_check`, as the check cell would. Outputs are never read, so a hand-made "passed" output
-or a check cell replaced by a print counts for nothing. A notebook with an exercise cell identical to
-the solution notebook's (the solutions themselves, or a copy) is skipped and named. ``--stored``
+an nbgrader ``submitted/<learner>/<assignment>`` folder) and grades each exercise cell's source with
+`grading.grade_cell`, in a process of its own, as the check cell and nbgrader's autograde do (so the
+three agree, and a cell that patches the grader, exits or hangs fails only its own exercise). The
+table lists the exercises of the notebooks in FOLDER. Verdicts are never read from outputs, so a
+hand-made "passed" output or a check cell replaced by a print counts for nothing; only whether a
+pass came after the hint's recipe was shown is read from the stored grade records. A notebook with
+an exercise cell that is the solution notebook's answer (the same code, comments and layout aside)
+is skipped and named. ``--stored``
 reads the verdicts the notebooks stored instead (`course_progress`, from the outputs `grading.check`
 displays): fast, but forgeable, and the report says so.
 """
@@ -13,25 +16,27 @@ displays): fast, but forgeable, and the report says so.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import ast
 import json
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import nbformat
 
 from labkit import grading, student
-from labkit._check_sandbox import _CheckTimedOut, _time_limit
 from labkit.errors import LabkitError
 from labkit.exercises import exercise_order, registry
-from labkit.messages import describe_error
 from labkit.notebooks import NOTEBOOK_GLOB
 from labkit.records import stored_records
 
 __all__: list[str] = []
 
 PASSED, NOT_YET, NOT_RUN = "passed", "not yet", "not run"
+# How a pass that came after the hint's recipe was shown reads in the table.
+AFTER_RECIPE = "passed after the recipe"
+# A notebook of the workbook is a few hundred kilobytes; anything far larger is not one.
+MAX_NOTEBOOK_BYTES = 50 * 2**20
 MISSING = "cell missing"
 # What `--stored` reads from each stored grade payload.
 GRADE_FIELDS = {"exercise": str, "passed": bool, "message": str}
@@ -50,6 +55,8 @@ class Progress:
     title: str
     status: str
     message: str
+    # the learner's kernel showed the hint's recipe before this exercise passed (read from stored records)
+    after_recipe: bool = False
 
 
 @dataclass
@@ -62,21 +69,22 @@ class Report:
 
 
 def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
-    """Every registered exercise with its standing in ``folder``, each answer re-run through its check."""
+    """The exercises of ``folder``'s notebooks with their standing, each answer graded again in isolation."""
     paths = _learner_notebooks(folder)
     solutions = _solutions(source)
     best: dict[str, Progress] = {}
     skipped = []
     for path in paths:
         answers = _answers(path)
-        if any(solutions.get(eid) is not None and solutions[eid].solution == text for eid, text in answers.items()):
+        if any(eid in solutions and _same_code(solutions[eid].solution, text) for eid, text in answers.items()):
             skipped.append(path.name)
             continue
         for row in _notebook_rows(path, answers, solutions):
             if row.exercise not in best or _RANK[row.status] > _RANK[best[row.exercise].status]:
                 best[row.exercise] = row
+    numbers = {path.name[:2] for path in paths}
     rows = [best.get(eid) or Progress(spec.notebook, eid, spec.title, NOT_RUN, "")
-            for eid, spec in registry().items()]
+            for eid, spec in registry().items() if spec.notebook[:2] in numbers]
     return Report(RECHECKED, sorted(rows, key=lambda row: exercise_order(row.exercise)), skipped)
 
 
@@ -103,8 +111,17 @@ def _solutions(source: Path) -> dict[str, student.ExerciseCells]:
     return found
 
 
+def _same_code(solution: str, answer: str) -> bool:
+    """Whether ``answer`` is the solution's code, whatever its comments (the solution markers) and layout."""
+    try:
+        return ast.dump(ast.parse(solution)) == ast.dump(ast.parse(answer))
+    except (SyntaxError, ValueError):
+        return False
+
+
 def _answers(path: Path) -> dict[str, str]:
     """Each exercise cell's source in a learner's notebook, by exercise ID."""
+    _refuse_unreadable(path)
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as error:  # nbformat raises JSON, validation and OS errors alike for a damaged file
@@ -112,8 +129,21 @@ def _answers(path: Path) -> dict[str, str]:
     return {eid: cell["source"] for cell in nb.cells if (eid := student.exercise_id_of(cell)) is not None}
 
 
+def _refuse_unreadable(path: Path) -> None:
+    """A clear error for what is named like a notebook but cannot be one: a FIFO or device would block
+    or never end, a huge file would fill memory."""
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise LabkitError(f"{path} is not a regular file (a FIFO, device or folder named like a notebook); "
+                          "remove it or restore the notebook from the student edition")
+    if path.stat().st_size > MAX_NOTEBOOK_BYTES:
+        raise LabkitError(f"{path} is larger than {MAX_NOTEBOOK_BYTES >> 20} MiB, far more than a notebook of the "
+                          "workbook; restore it from the student edition or clear its outputs")
+
+
 def _notebook_rows(path: Path, answers: dict[str, str], solutions: dict) -> list[Progress]:
     number = path.name[:2]
+    stored = _stored_grades(path)
     rows = []
     exercises = registry()
     # Exercise cells whose ID is not one of this notebook's (renumbered by hand, or pasted from another notebook).
@@ -130,29 +160,24 @@ def _notebook_rows(path: Path, answers: dict[str, str], solutions: dict) -> list
             rows.append(Progress(spec.notebook, eid, spec.title, MISSING, message))
             continue
         result = recheck(eid, answers[eid], solutions[eid].function, f"{path.name} exercise {eid}")
-        rows.append(Progress(spec.notebook, eid, spec.title,
-                                     PASSED if result.passed else NOT_YET, result.message))
+        after_recipe = result.passed and bool(stored.get(eid, {}).get("after_recipe"))
+        rows.append(Progress(spec.notebook, eid, spec.title, PASSED if result.passed else NOT_YET, result.message,
+                             after_recipe))
     return rows
 
 
 def recheck(exercise_id: str, cell_source: str, function: str, where: str) -> grading.Result:
-    """Run an exercise cell's source afresh, then check the ``function`` it defines."""
-    spec = grading._lookup(exercise_id)
-    namespace = dict(grading.EXERCISE_NAMESPACE)
+    """Grade an exercise cell's source in a process of its own (`grading.grade_cell`), as a report does."""
+    return grading.grade_cell(exercise_id, cell_source, function, where=where, follow_up=False)
+
+
+def _stored_grades(path: Path) -> dict[str, dict]:
+    """The grade records a notebook stored, for the one thing a report takes from them: whether a pass
+    came after the recipe. A damaged record only loses that note."""
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                _time_limit(grading.CHECK_TIME_LIMIT_S):
-            exec(compile(cell_source, where, "exec"), namespace)  # noqa: S102 (the learner's answer, as the kernel ran it)
-    except _CheckTimedOut as stopped:
-        return grading._not_yet(spec, f"the exercise cell did not finish within {stopped.limit}")
-    except KeyboardInterrupt:
-        raise
-    except BaseException as error:  # SystemExit too: the cell is the learner's, its failure a verdict
-        return grading._not_yet(spec, f"the exercise cell raised {describe_error(error, grading.MAX_ERROR_CHARS)}")
-    if not callable(namespace.get(function)):
-        return grading._not_yet(spec, f"the exercise cell does not define {function} any more",
-                                hint=f"keep the line 'def {function}(' of the student edition")
-    return grading.run_check(exercise_id, namespace[function])
+        return read_grades(path)
+    except LabkitError:
+        return {}
 
 
 def stored_report(folder: Path) -> Report:
@@ -201,7 +226,9 @@ def _merge_grades(paths: list[Path]) -> dict[str, dict]:
 def _progress_row(notebook: str, exercise_id: str, title: str, payload: dict | None) -> Progress:
     if payload is None:
         return Progress(notebook, exercise_id, title, NOT_RUN, "")
-    return Progress(notebook, exercise_id, title, PASSED if payload["passed"] else NOT_YET, payload["message"])
+    passed = payload["passed"]
+    return Progress(notebook, exercise_id, title, PASSED if passed else NOT_YET, payload["message"],
+                    passed and payload.get("after_recipe") is True)
 
 
 def describe(report: Report, folder: str) -> str:
@@ -218,7 +245,8 @@ def describe(report: Report, folder: str) -> str:
 def progress_table(rows: list[Progress]) -> str:
     """The rows as an aligned text table with a total line."""
     header = ("notebook", "exercise", "status", "title")
-    lines = [header] + [(row.notebook, row.exercise, row.status, row.title) for row in rows]
+    lines = [header] + [(row.notebook, row.exercise, AFTER_RECIPE if row.after_recipe else row.status, row.title)
+                        for row in rows]
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     text = ["  ".join(value.ljust(width) for value, width in zip(line, widths)).rstrip() for line in lines]
     counts = _counts(rows)

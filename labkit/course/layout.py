@@ -64,6 +64,12 @@ c.Execute.timeout = {timeout}
 # Release, fetch, submit and collect through an exchange folder beside the course; on a shared hub
 # point every user's configuration at one folder all of them can write to.
 c.Exchange.root = str(here / "exchange")
+# Autograde scores labkit's exercises from outside the learner's kernel: after executing a notebook,
+# each exercise cell is graded again in a process of its own and its check cell gets that verdict
+# (labkit/course/isolated_autograde.py), so an answer cell that patches the grader scores nothing.
+from labkit.course.isolated_autograde import AUTOGRADE_PREPROCESSORS  # noqa: E402
+
+c.Autograde.autograde_preprocessors = AUTOGRADE_PREPROCESSORS
 '''
 
 

@@ -1,0 +1,149 @@
+"""The grading process's side of `labkit._grader_process`: run one answer cell, check it, report as data.
+
+Started as ``python -m labkit._grader_child`` with a JSON request on stdin. Before any learner code
+runs it imports everything a check needs, caps its own CPU time, memory and file sizes
+(resource.setrlimit), moves into its scratch folder, points stdout and stderr away from the result
+channel, and installs an audit hook (`_audit_hook`) that learner code cannot remove: no subprocess,
+fork, signal to another process, ctypes, garbage-collector introspection, raised limit, file written outside the scratch folder, notebook or /proc/<pid> read. The namespaces checks rely on are
+snapshotted before the cell runs, so a cell that patches torch or labkit is undone before its
+check (`_Namespaces`). The verdict goes back as one JSON line carrying the parent's nonce, which
+waits unread in the stdin pipe until the check is over; the process then ends at once (os._exit),
+so a learner's thread cannot keep it alive.
+
+What this does not stop: an answer written against this protocol, one that finds the stdin pipe
+among the open file descriptors, reads the nonce and writes a forged report before exiting.
+Closing that needs the checks to call the answer across a process boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import resource
+import sys
+
+import labkit.grading as grading
+from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _time_limit
+from labkit.exercises import registry
+from labkit.messages import describe_error
+
+__all__: list[str] = []
+
+MEMORY_LIMIT_BYTES = 6 * 2**30  # address space: torch's import alone maps about 1.5 GiB
+FILE_SIZE_LIMIT_BYTES = 64 * 2**20
+# CPU seconds beyond the check's own limit before the kernel stops the process (SIGXCPU, then SIGKILL).
+CPU_GRACE_S = 5
+
+_REFUSED_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+                   "os.forkpty", "os.kill", "os.killpg", "signal.pthread_kill", "resource.setrlimit",
+                   "resource.prlimit", "ctypes.", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+                   "sys._current_frames", "sys.settrace", "sys.setprofile", "os.chdir",
+                   "socket.connect", "socket.bind")
+# /proc/<pid>/: another process's or this one's memory, file descriptors and environment.
+_PROCESS_FILES = re.compile(r"/proc/\d+(/|$)")
+_WRITE_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.chmod",
+                 "os.chown", "os.truncate", "os.utime", "shutil.rmtree")
+
+
+def main() -> None:
+    request = json.loads(_read_line(0))
+    results = os.fdopen(os.dup(1), "w")
+    _quiet_standard_streams(request["scratch"])
+    _limit_resources(request["time_limit_s"])
+    spec = registry()[request["exercise"]]
+    os.chdir(request["scratch"])
+    os.environ.update(HOME=request["scratch"], TMPDIR=request["scratch"])
+    namespaces = _Namespaces(spec.check.__module__)
+    sys.addaudithook(_audit_hook(os.path.realpath(request["scratch"]), request["forbidden"]))
+    verdict = _grade(request, namespaces)
+    # The nonce waited in the pipe, out of reach of the answer's Python objects and frames.
+    results.write(json.dumps({"nonce": _read_line(0), **verdict}) + "\n")
+    results.flush()
+    os._exit(0)
+
+
+def _grade(request: dict, namespaces: _Namespaces) -> dict:
+    spec = grading._lookup(request["exercise"])
+    namespace = dict(grading.EXERCISE_NAMESPACE)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                _time_limit(request["time_limit_s"]):
+            exec(compile(request["source"], request["where"], "exec"), namespace)  # noqa: S102 (the answer cell)
+    except _CheckTimedOut as stopped:
+        return _verdict(grading._not_yet(spec, f"the exercise cell did not finish within {stopped.limit}"))
+    except BaseException as error:  # SystemExit and KeyboardInterrupt too: the cell is the learner's
+        return _verdict(grading._not_yet(
+            spec, f"the exercise cell raised {describe_error(error, grading.MAX_ERROR_CHARS)}"))
+    finally:
+        namespaces.restore()
+    function = request["function"]
+    if not callable(namespace.get(function)):
+        return _verdict(grading._not_yet(spec, f"the exercise cell does not define {function} any more",
+                                         hint=f"keep the line 'def {function}(' of the student edition"))
+    try:
+        return _verdict(grading.run_check(spec.id, namespace[function], time_limit_s=request["time_limit_s"],
+                                          try_number=request["try_number"], follow_up=request["follow_up"]))
+    except KeyboardInterrupt as error:  # raised by the answer: no Ctrl-C reaches this process's own session
+        return _verdict(grading._not_yet(spec, f"{function} raised {describe_error(error, grading.MAX_ERROR_CHARS)}"))
+
+
+def _read_line(fd: int) -> str:
+    """One line from ``fd``, read a byte at a time so what follows it stays in the pipe."""
+    line = bytearray()
+    while (byte := os.read(fd, 1)) not in (b"", b"\n"):
+        line += byte
+    return line.decode()
+
+
+def _verdict(result: grading.Result) -> dict:
+    return {"passed": result.passed, "message": result.message, "recipe_shown": result.recipe_shown}
+
+
+def _quiet_standard_streams(scratch: str) -> None:
+    """The answer's prints go nowhere; stderr (a crash's traceback) to a file the parent may quote."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(os.open(os.path.join(scratch, "stderr.txt"), os.O_WRONLY | os.O_CREAT, 0o600), 2)
+    os.close(null)
+
+
+def _limit_resources(time_limit_s: float) -> None:
+    cpu = int(time_limit_s) + CPU_GRACE_S
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 2))
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT_BYTES, FILE_SIZE_LIMIT_BYTES))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _audit_hook(scratch: str, forbidden: list[str]):
+    def refuse(event: str, args: tuple) -> None:
+        if event.startswith(_REFUSED_EVENTS):
+            raise PermissionError(f"the grader does not allow {event} in an answer")
+        if event == "open" and isinstance(args[0], str | bytes):
+            _check_open(os.fsdecode(args[0]), args[1], args[2], scratch, forbidden)
+        if event.startswith(_WRITE_EVENTS) and args and isinstance(args[0], str | bytes):
+            _check_inside(os.fsdecode(args[0]), scratch, event)
+
+    return refuse
+
+
+def _check_open(path: str, mode: str | None, flags: int, scratch: str, forbidden: list[str]) -> None:
+    real = os.path.realpath(path)
+    if real.endswith(".ipynb") or _PROCESS_FILES.match(real) or any(real == folder or real.startswith(folder + os.sep) for folder in forbidden):
+        raise PermissionError(f"the grader does not let an answer read {path}")
+    writes = any(flag in mode for flag in "wax+") if mode else bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    if writes:
+        _check_inside(path, scratch, "writing")
+
+
+def _check_inside(path: str, scratch: str, what: str) -> None:
+    real = os.path.realpath(path)
+    if real != os.devnull and not real.startswith(scratch + os.sep):
+        raise PermissionError(f"the grader does not allow {what} {path} outside its scratch folder")
+
+
+if __name__ == "__main__":
+    main()
