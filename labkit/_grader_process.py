@@ -14,18 +14,21 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 __all__: list[str] = []
 
-# Starting Python and importing torch and labkit takes a few seconds on a loaded machine; the
-# answer's own wall-clock bound comes on top.
-STARTUP_ALLOWANCE_S = 60
+# Starting Python and importing torch and labkit takes a few seconds, more on a loaded machine; the
+# answer's own wall-clock bound starts when the child says it is ready (`READY`).
+STARTUP_ALLOWANCE_S = 120
+READY = b"ready"
 # Most of a result line is the verdict's message; anything longer is not the child's honest report.
 MAX_REPORT_BYTES = 1 << 20
 
@@ -49,15 +52,38 @@ def grade_in_child(request: dict, wall_limit_s: float) -> Outcome:
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=scratch, env=environment,
                              start_new_session=True)
     try:
-        try:
-            report, _ = child.communicate(f"{json.dumps(payload)}\n{nonce}\n".encode(), timeout=wall_limit_s + STARTUP_ALLOWANCE_S)
-        except subprocess.TimeoutExpired:
+        child.stdin.write(f"{json.dumps(payload)}\n{nonce}\n".encode())
+        child.stdin.close()
+        report, late = _collect(child.stdout, wall_limit_s)
+        if late == "startup":
+            return Outcome(failure=f"the grading process did not start within {STARTUP_ALLOWANCE_S} s "
+                           "(is the machine overloaded?); check again")
+        if late == "answer":
             return Outcome(failure=f"it did not finish within {wall_limit_s:g} s of waiting (the grader stopped it)",
                            hint="look for a loop that never ends or a call that waits forever")
+        child.wait()
         return _read_report(report, child.returncode, nonce, Path(scratch) / "stderr.txt")
     finally:
         _end_group(child)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _collect(stream, wall_limit_s: float) -> tuple[bytes, str | None]:
+    """Everything the child reports until it closes its end, and which bound ran out first, if one did:
+    "startup" before its `READY` line, "answer" after it."""
+    report, ready = b"", False
+    deadline = time.monotonic() + STARTUP_ALLOWANCE_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        if not select.select([stream], [], [], remaining)[0]:
+            continue
+        chunk = os.read(stream.fileno(), 1 << 16)
+        if not chunk:
+            return report, None
+        report = (report + chunk)[-MAX_REPORT_BYTES:]
+        if not ready and report.split(b"\n", 1)[0] == READY and b"\n" in report:
+            ready, report = True, report.split(b"\n", 1)[1]
+            deadline = time.monotonic() + wall_limit_s
+    return report, "answer" if ready else "startup"
 
 
 def _forbidden_folders(labkit_root: Path) -> list[str]:
@@ -75,7 +101,7 @@ def _end_group(child: subprocess.Popen) -> None:
 
 
 def _read_report(report: bytes, returncode: int, nonce: str, stderr: Path) -> Outcome:
-    lines = report[-MAX_REPORT_BYTES:].decode(errors="replace").splitlines()
+    lines = report.decode(errors="replace").splitlines()
     if returncode == 0 and lines:
         try:
             verdict = json.loads(lines[-1])

@@ -6,9 +6,9 @@ an nbgrader ``submitted/<learner>/<assignment>`` folder) and grades each exercis
 three agree, and a cell that patches the grader, exits or hangs fails only its own exercise). The
 table lists the exercises of the notebooks in FOLDER. Verdicts are never read from outputs, so a
 hand-made "passed" output or a check cell replaced by a print counts for nothing; only whether a
-pass came after the hint's recipe was shown is read from the stored grade records. A notebook with
-an exercise cell that is the solution notebook's answer (the same code, comments and layout aside)
-is skipped and named. ``--stored``
+pass came after the hint's recipe was shown is read from the stored grade records. A notebook whose
+every exercise cell is the solution notebook's code (comments, the solution markers and layout
+aside: a copy of the solutions) is skipped and named. ``--stored``
 reads the verdicts the notebooks stored instead (`course_progress`, from the outputs `grading.check`
 displays): fast, but forgeable, and the report says so.
 """
@@ -76,7 +76,7 @@ def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
     skipped = []
     for path in paths:
         answers = _answers(path)
-        if any(eid in solutions and _same_code(solutions[eid].solution, text) for eid, text in answers.items()):
+        if answers and all(eid in solutions and _same_code(solutions[eid].solution, text) for eid, text in answers.items()):
             skipped.append(path.name)
             continue
         for row in _notebook_rows(path, answers, solutions):

@@ -1,0 +1,210 @@
+"""The verdict that counts comes from a grading process of its own: what an answer cell does (patch the grader
+or torch, exit, crash, hang, ignore the time limit, start processes, read the solutions) fails only its own
+exercise, in `labkit progress` and in the learner's kernel alike (reliability trials PG5, PG7, PG8, PG10-PG15,
+PG21, PG24, PG28, PG30). No kernel starts here: each case is one plain child process (`grading.grade_cell`).
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from labkit import grading, student
+from labkit.course import exercise_progress
+from labkit.errors import LabkitError
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "00_start_here.ipynb"
+SOLUTIONS = student.find_exercises(nbformat.read(ROOT / "notebooks" / NAME, 4), NAME)
+# A distinctive command line, so the test finds the process an answer started and nothing else.
+SLEEPER = ["sleep", "313"]
+
+
+def stub_cell(exercise_id: str) -> str:
+    return student.stub_solution(SOLUTIONS[exercise_id].solution, exercise_id)
+
+
+def answer_cell(exercise_id: str) -> str:
+    """The solution as a learner would type it: the solution markers gone."""
+    return "\n".join(line for line in SOLUTIONS[exercise_id].solution.split("\n")
+                     if line.strip() not in (student.BEGIN_SOLUTION, student.END_SOLUTION))
+
+
+def grade(exercise_id: str, source: str) -> grading.Result:
+    return grading.grade_cell(exercise_id, source, SOLUTIONS[exercise_id].function)
+
+
+@pytest.fixture
+def short_limit(monkeypatch):
+    """A 1 s check limit, so an answer that defeats it costs seconds, not the default's minute."""
+    monkeypatch.setattr(grading, "CHECK_TIME_LIMIT_S", 1.0)
+
+
+# Each tried in turn by one cell (PG8, PG9, PG13, PG15), which then says which of them were refused.
+FORBIDDEN = {
+    "read the solution": "import pathlib, labkit\n"
+                         f"(pathlib.Path(labkit.__file__).parents[1] / 'notebooks' / {NAME!r}).read_text()",
+    "write outside": "open('/tmp/labkit-isolation-pwned', 'w').write('x')",
+    "start a process": f"import subprocess\nsubprocess.Popen({SLEEPER!r})",
+    "ctypes": "import ctypes\nctypes.string_at(0)",
+    "signal the grader": "import os, signal\nos.kill(os.getppid(), signal.SIGCONT)",
+}
+
+
+def test_what_an_answer_must_not_do_is_refused_in_the_grading_process():
+    tries = "".join(f"try:\n    exec({code!r})\nexcept PermissionError:\n    refused.append({name!r})\n"
+                    for name, code in FORBIDDEN.items())
+    cell = ("# exercise 00.1\nrefused = []\n" + tries +
+            "def one_training_step(model, optimizer, x, y):\n    raise ValueError('/'.join(refused))\n")
+    result = grade("00.1", cell)
+    assert f"one_training_step raised ValueError: {'/'.join(FORBIDDEN)}" in result.message
+    assert not Path("/tmp/labkit-isolation-pwned").exists()
+    assert not _processes_running(SLEEPER)
+
+
+@pytest.mark.parametrize(("code", "said"), [
+    ("raise KeyboardInterrupt", "the exercise cell raised KeyboardInterrupt"),  # PG14
+    ("import os\nos.abort()", "crashed the grading process (SIGABRT)"),  # PG15
+], ids=["KeyboardInterrupt", "a crash"])
+def test_a_cell_that_interrupts_or_crashes_is_a_verdict(code, said):
+    result = grade("00.1", stub_cell("00.1") + "\n" + code)
+    assert not result.passed
+    assert said in result.message
+
+
+def test_a_cell_that_ignores_the_alarm_and_loops_is_stopped(short_limit):  # PG10
+    code = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True:\n    pass"
+    result = grade("00.1", stub_cell("00.1") + "\n" + code)
+    assert not result.passed
+    # the CPU cap, or on a loaded machine the wall-clock bound, whichever comes first
+    assert "(the grader stopped it)" in result.message
+
+
+def test_a_cell_that_swallows_the_stop_and_waits_is_stopped_by_the_wall_clock(short_limit):  # PG11
+    code = "import time\nwhile True:\n    try:\n        time.sleep(0.5)\n    except BaseException:\n        pass"
+    started = time.monotonic()
+    result = grade("00.1", stub_cell("00.1") + "\n" + code)
+    assert "did not finish within 6 s of waiting" in result.message
+    assert time.monotonic() - started < grading.CHECK_TIME_LIMIT_S * 6 + exercise_progress_startup_bound()
+
+
+def exercise_progress_startup_bound() -> float:
+    from labkit import _grader_process
+
+    return _grader_process.STARTUP_ALLOWANCE_S
+
+
+def test_a_thread_the_answer_leaves_behind_does_not_keep_the_grader_waiting():  # PG12
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(300,)).start()"
+    started = time.monotonic()
+    assert grade("00.1", answer_cell("00.1") + "\n" + code).passed
+    assert time.monotonic() - started < 300
+
+
+def test_a_torch_patch_at_cell_level_cannot_pass_a_wrong_answer():  # PG28 under progress
+    wrong = ("# exercise 00.2\ntorch.Tensor.abs = lambda self: self * 0\n\n"
+             "def grad_of_each_call(w, inputs):\n    return [torch.full_like(w, 123.0) for _ in inputs]\n")
+    result = grade("00.2", wrong)
+    assert not result.passed, result.message
+
+
+def test_in_the_learners_kernel_check_grades_the_exercise_cell_apart(monkeypatch, capsys):  # PG28 in the kernel
+    monkeypatch.setattr(grading, "_SESSION", {})
+    monkeypatch.setattr(grading, "_FAILED_TRIES", {})
+    monkeypatch.setattr(torch.Tensor, "abs", torch.Tensor.abs)  # the cell below replaces it; put it back after
+    wrong = ("# exercise 00.2\ntorch.Tensor.abs = lambda self: self * 0\n\n"
+             "def grad_of_each_call(w, inputs):\n    return [torch.full_like(w, 123.0) for _ in inputs]\n")
+    cell_file = "/tmp/ipykernel_4242/1234567.py"  # how IPython names a cell's code, which linecache holds
+    monkeypatch.setitem(linecache.cache, cell_file, (len(wrong), None, wrong.splitlines(True), cell_file))
+    namespace = dict(grading.EXERCISE_NAMESPACE)
+    exec(compile(wrong, cell_file, "exec"), namespace)  # noqa: S102 (the cell, as the kernel runs it)
+    grading.check("00.2", namespace["grad_of_each_call"])
+    assert capsys.readouterr().out.startswith("✗ Exercise 00.2 not yet")
+
+
+# ---- progress: a whole folder, one learner cell cannot stop or fool the run ----------------------
+
+
+@pytest.fixture
+def learner(tmp_path) -> Path:
+    """A learner's folder holding the student edition of 00, untouched."""
+    source = tmp_path / "source"
+    source.mkdir()
+    shutil.copy(ROOT / "notebooks" / NAME, source)
+    student.write_student_edition(source, tmp_path / "learner")
+    return tmp_path / "learner"
+
+
+def set_cell(folder: Path, exercise_id: str, source: str) -> None:
+    nb = nbformat.read(folder / NAME, 4)
+    (cell,) = [cell for cell in nb.cells if student.exercise_id_of(cell) == exercise_id]
+    cell.source = source
+    nbformat.write(nb, folder / NAME)
+
+
+def test_progress_grades_every_exercise_after_a_cell_that_patches_the_grader_or_exits(learner):  # PG5, PG7, PG30
+    other = "02_gradients_accumulate.ipynb"  # a second notebook, untouched: its exercises count, the rest do not
+    student.write_student_edition(ROOT / "notebooks", learner.parent / "all")
+    shutil.copy(learner.parent / "all" / other, learner)
+    patch = ("import labkit.grading as g\n"
+             "g.run_check = lambda eid, answer, **k: g.Result(eid, '00_start_here', True, 'trust me')\n"
+             "g.grade_cell = g.run_check\nimport os\nos._exit(0)")
+    set_cell(learner, "00.1", stub_cell("00.1") + "\n" + patch)
+    set_cell(learner, "00.2", answer_cell("00.2"))
+    report = exercise_progress.recheck_folder(learner)
+    statuses = {row.exercise: row.status for row in report.rows}
+    assert statuses == {"00.1": "not yet", "00.2": "passed", "02.1": "not yet", "02.2": "not yet"}
+    assert "Total: 1/4 exercises passed (3 not yet, 0 not run)" in exercise_progress.progress_table(report.rows)
+
+
+def test_a_solution_copy_without_its_markers_is_still_a_copy(learner):  # PG24
+    nb = nbformat.read(ROOT / "notebooks" / NAME, 4)
+    for cell in nb.cells:
+        cell.source = "\n".join(line for line in cell.source.split("\n")
+                                if line.strip() not in (student.BEGIN_SOLUTION, student.END_SOLUTION))
+    nbformat.write(nb, learner / NAME)
+    assert exercise_progress.recheck_folder(learner).skipped == [NAME]
+
+
+def test_a_fifo_named_like_a_notebook_is_a_clear_error(learner):  # PG21
+    (learner / NAME).unlink()
+    os.mkfifo(learner / NAME)
+    with pytest.raises(LabkitError, match="is not a regular file"):
+        exercise_progress.recheck_folder(learner)
+
+
+def test_a_pass_after_the_recipe_is_said_in_the_report(learner):
+    nb = nbformat.read(learner / NAME, 4)
+    (cell,) = [cell for cell in nb.cells if student.exercise_id_of(cell) == "00.2"]
+    cell.source = answer_cell("00.2")
+    payload = {"exercise": "00.2", "notebook": "00_start_here", "passed": True, "message": "✓", "after_recipe": True}
+    check = next(cell for cell in nb.cells if cell.cell_type == "code" and 'grading.check("00.2"' in cell.source)
+    check.outputs = [nbformat.v4.new_output("display_data", data={grading.GRADE_MIMETYPE: payload})]
+    nbformat.write(nb, learner / NAME)
+    report = exercise_progress.recheck_folder(learner)
+    assert {row.exercise: row.after_recipe for row in report.rows}["00.2"] is True
+    assert exercise_progress.AFTER_RECIPE in exercise_progress.progress_table(report.rows)
+
+
+def _processes_running(command: list[str]) -> list[int]:
+    """The PIDs running exactly ``command``; any found are killed (an answer's leftover, started by this test)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if [arg.decode(errors="replace") for arg in argv] == command:
+            found.append(int(entry.name))
+            os.kill(int(entry.name), signal.SIGKILL)
+    return found
