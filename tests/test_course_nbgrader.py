@@ -1,7 +1,10 @@
 """Real nbgrader on a course laid out by `make course` (labkit.course.layout): generate_assignment on 00, 02,
-04 and 05, then one autograde of three learners. alice hands in 00's solutions (full points), bob 04's untouched
-release (0 points), carol a release of 00 with 00.1 answered and 00.2's check cell replaced by a faked pass
-(nbgrader restores the locked cell, so 1 of 2). Bad input fails before anything is written.
+04 and 05, then one autograde of three learners. alice hands in 00's solutions (full points), bob 04's release
+whose stubs attack the grader (0 points: 04.1's cell ignores SIGALRM, 04.2's function calls os._exit), carol a
+release of 00 with 00.1 answered and 00.2's stub cell unsetting NBGRADER_EXECUTION, replacing grading.check and
+patching torch, and 00.2's check cell replaced by a faked pass (nbgrader restores the locked cell, and labkit's
+regrade in isolation scores the stub: 1 of 2). `labkit progress` on the same submissions gives the same scores
+(reliability trials NG1, NG2). Bad input fails before anything is written.
 
 One autograde run executes three notebooks, one kernel each; everything else reuses it. Each case needs one
 notebook: the solutions, a stub, a learner's edit. The untouched release is 04's, not 00's, so that the run
@@ -23,7 +26,7 @@ import pytest
 
 from labkit import grading, student
 from labkit.__main__ import main as labkit_main
-from labkit.course import layout, marks
+from labkit.course import exercise_progress, layout, marks
 from labkit.errors import LabkitError
 
 pytest.importorskip("nbgrader", reason="nbgrader is in the course extra: pip install -e '.[course]'")
@@ -54,10 +57,33 @@ def released(course: Path, name: str) -> nbformat.NotebookNode:
     return nbformat.read(course / "release" / ASSIGNMENT / name, 4)
 
 
+# Lines a learner adds to an answer cell to fool a grader that runs in their kernel.
+UNSET_NBGRADER = "import os\nos.environ.pop('NBGRADER_EXECUTION', None)\n"  # NG2
+REPLACE_CHECK = "import labkit.grading as _g\n_g.check = lambda *a, **k: print('✓ passed (patched)')\n"  # NG1
+PATCH_TORCH = "torch.Tensor.abs = lambda self: self * 0\n"  # PG28
+IGNORE_ALARM = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"  # PG10
+EXIT_IN_FUNCTION = "\ndef mean_output(gru, padded, lengths):\n    import os\n    os._exit(0)\n"  # PG5
+
+
+def with_lines(nb: nbformat.NotebookNode, exercise_id: str, lines: str) -> None:
+    (cell,) = [cell for cell in nb.cells if student.exercise_id_of(cell) == exercise_id]
+    cell.source += "\n" + lines
+
+
+def attacking_04(course: Path) -> nbformat.NotebookNode:
+    """The release of 04, stubs kept, with lines that defeat the time limit or end the process."""
+    nb = released(course, "04_autograd_modes.ipynb")
+    with_lines(nb, "04.1", IGNORE_ALARM)
+    with_lines(nb, "04.2", EXIT_IN_FUNCTION)
+    return nb
+
+
 def faked_00(course: Path) -> nbformat.NotebookNode:
-    """The release of 00 with 00.1 answered and 00.2's check replaced by a hand-made "passed" display."""
+    """The release of 00 with 00.1 answered, 00.2's stub cell patching the grader, and 00.2's check replaced
+    by a hand-made "passed" display."""
     nb = released(course, "00_start_here.ipynb")
     solution = student.find_exercises(nbformat.read(NOTEBOOKS[0], 4), "00_start_here.ipynb")["00.1"].solution
+    with_lines(nb, "00.2", UNSET_NBGRADER + REPLACE_CHECK + PATCH_TORCH)
     for cell in nb.cells:
         if student.exercise_id_of(cell) == "00.1":
             cell.source = solution
@@ -74,7 +100,7 @@ def course(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("course") / "course"
     layout.create_course(NOTEBOOKS, root, ASSIGNMENT)
     hand_in(root, "alice", {"00_start_here.ipynb": nbformat.read(NOTEBOOKS[0], 4)})
-    hand_in(root, "bob", {"04_autograd_modes.ipynb": released(root, "04_autograd_modes.ipynb")})
+    hand_in(root, "bob", {"04_autograd_modes.ipynb": attacking_04(root)})
     hand_in(root, "carol", {"00_start_here.ipynb": faked_00(root)})
     done = nbgrader(root, "autograde", ASSIGNMENT)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -92,8 +118,31 @@ def test_the_solutions_get_full_points(course):
     assert scores(course, "alice")["00_start_here"] == (2.0, 2.0)
 
 
-def test_the_untouched_release_gets_nothing(course):
+def test_stubs_that_ignore_the_alarm_or_exit_get_nothing(course):
     assert scores(course, "bob")["04_autograd_modes"] == (0.0, 2.0)
+
+
+def test_a_stub_that_unsets_nbgrader_replaces_the_check_and_patches_torch_gets_nothing(course):
+    assert scores(course, "carol")["00_start_here"] == (1.0, 2.0)
+    assert check_scores(course, "carol") == {"check_00_1": 1.0, "check_00_2": 0.0}
+    assert "labkit regraded exercise 00.2 in isolation: not yet" in (course / "autograde.log").read_text()
+
+
+def test_progress_on_the_same_submissions_gives_the_same_scores(course):
+    for learner in ("bob", "carol"):
+        report = exercise_progress.recheck_folder(course / "submitted" / learner / ASSIGNMENT,
+                                                  course / "source" / ASSIGNMENT)
+        passed: dict[str, float] = {}
+        for row in report.rows:
+            passed[row.notebook] = passed.get(row.notebook, 0.0) + (row.status == exercise_progress.PASSED)
+        assert {name: (points, scores(course, learner)[name][1]) for name, points in passed.items()} == \
+            scores(course, learner), learner
+
+
+def check_scores(course: Path, learner: str) -> dict[str, float]:
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}", layout.COURSE_ID) as gradebook:
+        submission = gradebook.find_submission_notebook("00_start_here", ASSIGNMENT, learner)
+        return {grade.name: grade.score for grade in submission.grades}
 
 
 def test_a_faked_check_output_is_restored_and_scored_honestly(course):

@@ -148,7 +148,11 @@ def test_hints_grow_more_explicit_from_the_first_failed_try(cells):
     first, later = (grading.run_check(cells.exercise, answer, try_number=n) for n in (1, 10))
     assert problem_of(first.message) == problem_of(later.message)
     assert hint_of(first.message) != hint_of(later.message), "the first failure already gets the last hint"
-    assert "next try" in hint_of(first.message) and "next try" not in hint_of(later.message)
+    # the promise that the next hint says more is made only when the second try's hint is another one
+    second = hint_of(grading.run_check(cells.exercise, answer, try_number=2).message)
+    promised = "next try" in hint_of(first.message)
+    assert promised == (second.split(grading._MORE_HINTS)[0] != hint_of(first.message).split(grading._MORE_HINTS)[0])
+    assert "next try" not in hint_of(later.message)
 
 
 def test_the_crash_detector_recognises_both_crash_messages():
