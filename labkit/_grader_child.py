@@ -25,6 +25,7 @@ import re
 import resource
 import sys
 import time
+from pathlib import Path
 
 import labkit.grading as grading
 from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _time_limit
@@ -33,7 +34,9 @@ from labkit.messages import describe_error
 
 __all__: list[str] = []
 
-MEMORY_LIMIT_BYTES = 6 * 2**30  # address space: torch's import alone maps about 1.5 GiB
+# Address space the answer and its check may map beyond what the imports mapped (torch's alone maps
+# 1.5 GiB here, several with CUDA libraries); a check needs a few MiB.
+MEMORY_BUDGET_BYTES = 2 * 2**30
 FILE_SIZE_LIMIT_BYTES = 64 * 2**20
 # CPU seconds beyond the check's own limit (and the imports before it) before the kernel stops the
 # process (SIGXCPU, then SIGKILL): the check's own time limit stops an answer first, with a clearer message.
@@ -118,7 +121,12 @@ def _quiet_standard_streams(scratch: str) -> None:
 def _limit_resources(time_limit_s: float) -> None:
     cpu = int(time_limit_s) + CPU_GRACE_S
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 2))
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+    try:
+        mapped = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    except OSError:
+        mapped = None  # no /proc (macOS, which does not enforce RLIMIT_AS either): the CPU limit still holds
+    if mapped is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + MEMORY_BUDGET_BYTES, mapped + MEMORY_BUDGET_BYTES))
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT_BYTES, FILE_SIZE_LIMIT_BYTES))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 

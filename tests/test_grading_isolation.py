@@ -48,7 +48,7 @@ def short_limit(monkeypatch):
     monkeypatch.setattr(grading, "CHECK_TIME_LIMIT_S", 1.0)
 
 
-# Each tried in turn by one cell (PG8, PG9, PG13, PG15), which then says which of them were refused.
+# Each tried in turn by one cell (PG6, PG8, PG9, PG13, PG15), which then says which of them were refused.
 FORBIDDEN = {
     "read the solution": "import pathlib, labkit\n"
                          f"(pathlib.Path(labkit.__file__).parents[1] / 'notebooks' / {NAME!r}).read_text()",
@@ -56,11 +56,12 @@ FORBIDDEN = {
     "start a process": f"import subprocess\nsubprocess.Popen({SLEEPER!r})",
     "ctypes": "import ctypes\nctypes.string_at(0)",
     "signal the grader": "import os, signal\nos.kill(os.getppid(), signal.SIGCONT)",
+    "allocate 3 GiB": "bytearray(3 * 2**30)",
 }
 
 
 def test_what_an_answer_must_not_do_is_refused_in_the_grading_process():
-    tries = "".join(f"try:\n    exec({code!r})\nexcept PermissionError:\n    refused.append({name!r})\n"
+    tries = "".join(f"try:\n    exec({code!r})\nexcept (PermissionError, MemoryError):\n    refused.append({name!r})\n"
                     for name, code in FORBIDDEN.items())
     cell = ("# exercise 00.1\nrefused = []\n" + tries +
             "def one_training_step(model, optimizer, x, y):\n    raise ValueError('/'.join(refused))\n")
