@@ -21,7 +21,9 @@ from labkit import grading, student
 from labkit.course import exercise_progress
 from labkit.errors import LabkitError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+# Each case starts a grading process (Python, torch, labkit: seconds, many more on a loaded machine).
+pytestmark = pytest.mark.timeout(900, method="thread")
 NAME = "00_start_here.ipynb"
 SOLUTIONS = student.find_exercises(nbformat.read(ROOT / "notebooks" / NAME, 4), NAME)
 # A distinctive command line, so the test finds the process an answer started and nothing else.
@@ -60,6 +62,11 @@ FORBIDDEN = {
 }
 
 
+@pytest.mark.trial("PG6")
+@pytest.mark.trial("PG8")
+@pytest.mark.trial("PG9")
+@pytest.mark.trial("PG13")
+@pytest.mark.trial("PG15")
 def test_what_an_answer_must_not_do_is_refused_in_the_grading_process():
     tries = "".join(f"try:\n    exec({code!r})\nexcept (PermissionError, MemoryError):\n    refused.append({name!r})\n"
                     for name, code in FORBIDDEN.items())
@@ -71,6 +78,7 @@ def test_what_an_answer_must_not_do_is_refused_in_the_grading_process():
     assert not _processes_running(SLEEPER)
 
 
+@pytest.mark.trial("PG14")
 @pytest.mark.parametrize(("code", "said"), [
     ("raise KeyboardInterrupt", "the exercise cell raised KeyboardInterrupt"),  # PG14
     ("import os\nos.abort()", "crashed the grading process (SIGABRT)"),  # PG15
@@ -81,7 +89,8 @@ def test_a_cell_that_interrupts_or_crashes_is_a_verdict(code, said):
     assert said in result.message
 
 
-def test_a_cell_that_ignores_the_alarm_and_loops_is_stopped(short_limit):  # PG10
+@pytest.mark.trial("PG10")
+def test_a_cell_that_ignores_the_alarm_and_loops_is_stopped(short_limit):
     code = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True:\n    pass"
     result = grade("00.1", stub_cell("00.1") + "\n" + code)
     assert not result.passed
@@ -89,7 +98,8 @@ def test_a_cell_that_ignores_the_alarm_and_loops_is_stopped(short_limit):  # PG1
     assert "(the grader stopped it)" in result.message
 
 
-def test_a_cell_that_swallows_the_stop_and_waits_is_stopped_by_the_wall_clock(short_limit):  # PG11
+@pytest.mark.trial("PG11")
+def test_a_cell_that_swallows_the_stop_and_waits_is_stopped_by_the_wall_clock(short_limit):
     code = "import time\nwhile True:\n    try:\n        time.sleep(0.5)\n    except BaseException:\n        pass"
     started = time.monotonic()
     result = grade("00.1", stub_cell("00.1") + "\n" + code)
@@ -103,21 +113,24 @@ def exercise_progress_startup_bound() -> float:
     return _grader_process.STARTUP_ALLOWANCE_S
 
 
-def test_a_thread_the_answer_leaves_behind_does_not_keep_the_grader_waiting():  # PG12
+@pytest.mark.trial("PG12")
+def test_a_thread_the_answer_leaves_behind_does_not_keep_the_grader_waiting():
     code = "import threading, time\nthreading.Thread(target=time.sleep, args=(300,)).start()"
     started = time.monotonic()
     assert grade("00.1", answer_cell("00.1") + "\n" + code).passed
     assert time.monotonic() - started < 300
 
 
-def test_a_torch_patch_at_cell_level_cannot_pass_a_wrong_answer():  # PG28 under progress
+@pytest.mark.trial("PG28")
+def test_a_torch_patch_at_cell_level_cannot_pass_a_wrong_answer():
     wrong = ("# exercise 00.2\ntorch.Tensor.abs = lambda self: self * 0\n\n"
              "def grad_of_each_call(w, inputs):\n    return [torch.full_like(w, 123.0) for _ in inputs]\n")
     result = grade("00.2", wrong)
     assert not result.passed, result.message
 
 
-def test_in_the_learners_kernel_check_grades_the_exercise_cell_apart(monkeypatch, capsys):  # PG28 in the kernel
+@pytest.mark.trial("PG28")
+def test_in_the_learners_kernel_check_grades_the_exercise_cell_apart(monkeypatch, capsys):
     monkeypatch.setattr(grading, "_SESSION", {})
     monkeypatch.setattr(grading, "_FAILED_TRIES", {})
     monkeypatch.setattr(torch.Tensor, "abs", torch.Tensor.abs)  # the cell below replaces it; put it back after
@@ -151,7 +164,10 @@ def set_cell(folder: Path, exercise_id: str, source: str) -> None:
     nbformat.write(nb, folder / NAME)
 
 
-def test_progress_grades_every_exercise_after_a_cell_that_patches_the_grader_or_exits(learner):  # PG5, PG7, PG30
+@pytest.mark.trial("PG5")
+@pytest.mark.trial("PG7")
+@pytest.mark.trial("PG30")
+def test_progress_grades_every_exercise_after_a_cell_that_patches_the_grader_or_exits(learner):
     other = "02_gradients_accumulate.ipynb"  # a second notebook, untouched: its exercises count, the rest do not
     student.write_student_edition(ROOT / "notebooks", learner.parent / "all")
     shutil.copy(learner.parent / "all" / other, learner)
@@ -166,7 +182,8 @@ def test_progress_grades_every_exercise_after_a_cell_that_patches_the_grader_or_
     assert "Total: 1/4 exercises passed (3 not yet, 0 not run)" in exercise_progress.progress_table(report.rows)
 
 
-def test_a_solution_copy_without_its_markers_is_still_a_copy(learner):  # PG24
+@pytest.mark.trial("PG24")
+def test_a_solution_copy_without_its_markers_is_still_a_copy(learner):
     nb = nbformat.read(ROOT / "notebooks" / NAME, 4)
     for cell in nb.cells:
         cell.source = "\n".join(line for line in cell.source.split("\n")
@@ -175,7 +192,8 @@ def test_a_solution_copy_without_its_markers_is_still_a_copy(learner):  # PG24
     assert exercise_progress.recheck_folder(learner).skipped == [NAME]
 
 
-def test_a_fifo_named_like_a_notebook_is_a_clear_error(learner):  # PG21
+@pytest.mark.trial("PG21")
+def test_a_fifo_named_like_a_notebook_is_a_clear_error(learner):
     (learner / NAME).unlink()
     os.mkfifo(learner / NAME)
     with pytest.raises(LabkitError, match="is not a regular file"):
