@@ -214,7 +214,11 @@ def check(exercise_id: str, answer: Callable) -> None:
     source = _answer_cell(spec.id, answer) if callable(answer) else None
     function = _plain_str(getattr(answer, "__name__", None))
     if source is not None and function:
-        result = grade_cell(spec.id, source, function, try_number=try_number)
+        try:
+            result = grade_cell(spec.id, source, function, try_number=try_number)
+        except KeyboardInterrupt:  # the stop button: the grading process is already ended
+            print(f"Exercise {spec.id}: check interrupted, no verdict recorded; run the check cell again.")
+            raise
     else:
         result = run_check(spec.id, answer, try_number=try_number)
     result = _remember(result)

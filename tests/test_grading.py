@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import linecache
 from dataclasses import asdict
 
 import IPython
@@ -346,3 +347,20 @@ def test_progress_fails_clearly_on_a_bad_folder(tmp_path, capsys, setup, problem
         exercise_progress.course_progress(folder)
     assert labkit_main(["progress", str(folder)]) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_grading_process_runs_says_so_and_propagates(fresh_session, monkeypatch, capsys):
+    cell = "# exercise 00.1\ndef one_training_step(model, optimizer, x, y):\n    return 0.0\n"
+    cell_file = "/tmp/ipykernel_4242/7654321.py"  # how IPython names a cell's code, which linecache holds
+    monkeypatch.setitem(linecache.cache, cell_file, (len(cell), None, cell.splitlines(True), cell_file))
+    namespace: dict = {}
+    exec(compile(cell, cell_file, "exec"), namespace)  # noqa: S102 (the cell, as the kernel runs it)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grading, "grade_cell", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        grading.check("00.1", namespace["one_training_step"])
+    assert "check interrupted, no verdict recorded" in capsys.readouterr().out
+    assert grading._SESSION == {}
