@@ -323,7 +323,7 @@ def recalibrate_batchnorm(model, x, batch_size):
 """)
 
 # 06.1 one AdamW step, by hand
-mistake("06.1", "decays after the Adam update", says="differs from torch.optim.AdamW's", answer="""
+mistake("06.1", "decays after the Adam update", says="the decay shrank the parameter after the Adam update", answer="""
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
     beta1, beta2 = betas
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -333,7 +333,7 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_
     param.sub_(lr * m_hat / (v_hat.sqrt() + eps))
     param.mul_(1 - lr * weight_decay)
 """)
-mistake("06.1", "no bias correction", says="differs from torch.optim.AdamW's", answer="""
+mistake("06.1", "no bias correction", says="the update has no bias correction", answer="""
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
     beta1, beta2 = betas
     param.mul_(1 - lr * weight_decay)
@@ -341,7 +341,7 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     param.sub_(lr * exp_avg / (exp_avg_sq.sqrt() + eps))
 """)
-mistake("06.1", "decay not scaled by lr", says="differs from torch.optim.AdamW's", answer="""
+mistake("06.1", "decay not scaled by lr", says="the decay was not multiplied by the learning rate", answer="""
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
     beta1, beta2 = betas
     param.mul_(1 - weight_decay)
@@ -749,4 +749,32 @@ def blocks_to_checkpoint(blocks, x, budget, kept_bytes):
         chosen.append(index)
         excess -= frees[index]
     return chosen
+""")
+
+# Third cases for the exercises above whose dodge (tests/exercise_variants.py) makes the third.
+mistake("07.2", "tests for NaN only", says="with an infinite value in one gradient, your function changed the weights", answer="""
+def guarded_step(model, optimizer, max_norm):
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if math.isnan(total.item()):
+        return False
+    optimizer.step()
+    return True
+""")
+mistake("13.1", "no_grad, but returns a tensor", says="you returned a tensor: return the mean as a Python float", answer="""
+def mean_validation_loss(model, batches):
+    total = 0.0
+    with torch.no_grad():
+        for x, y in batches:
+            total += F.cross_entropy(model(x), y)
+    return total / len(batches)
+""")
+mistake("15.1", "divides without reducing", says="differs by 0.57 from the mean over the ranks", answer="""
+def average_gradients(model, all_reduce_sum, world_size):
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.div_(world_size)
+""")
+mistake("14.2", "each worker starts at its own block of num_workers", says="came more than once", answer="""
+def worker_items(start, end, worker_id, num_workers):
+    return range(start + worker_id * num_workers, end)
 """)
