@@ -564,6 +564,14 @@ def grads_match(grads, reference):
     return torch.stack([torch.isclose(grads[n].double(), reference[n].double(), rtol=1e-4).all() for n in reference]).all()
 """)
 
+mistake("11.1", "a fixed absolute tolerance", says="with every gradient 1000x smaller is a mismatch, but grads_match returned True", answer="""
+def grads_match(grads, reference):
+    if grads.keys() != reference.keys():
+        return False
+    return all(grads[n].shape == reference[n].shape
+               and torch.allclose(grads[n].double(), reference[n].double(), rtol=0, atol=1e-1) for n in reference)
+""")
+
 # 11.2 keep one layer of an nn.Sequential out of compilation
 mistake("11.2", "compiles the excluded layer alone", says="torch.compile still captured the excluded layer 2", answer="""
 def compile_around(model, index, compile):
