@@ -202,18 +202,18 @@ def layer_norm_rows(x, eps=1e-5):
     centred /= torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
     return centred
 """)
-mistake("03.1", "forgets eps", says="the output differs from F.layer_norm by up to", answer="""
+mistake("03.1", "forgets eps", says="it matches the normalisation without eps", answer="""
 def layer_norm_rows(x, eps=1e-5):
     centred = x - x.mean(-1, keepdim=True)
     return centred / centred.pow(2).mean(-1, keepdim=True).sqrt()
 """)
-mistake("03.1", "unbiased variance", says="the output differs from F.layer_norm by up to 0.13", answer="""
+mistake("03.1", "unbiased variance", says="it divides by the unbiased variance", answer="""
 def layer_norm_rows(x, eps=1e-5):
     return (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + eps)
 """)
 
 # 03.2 a custom backward that gradcheck accepts
-mistake("03.2", "forgets grad_output", says="dL/da and dL/db differ from the true derivative", answer="""
+mistake("03.2", "forgets grad_output", says="dL/da is dd/da alone", answer="""
 def distance_backward(grad_output, a, b):
     difference = a - b
     grad_a = difference / difference.norm(dim=1, keepdim=True)
@@ -225,7 +225,7 @@ def distance_backward(grad_output, a, b):
     grad_a = grad_output[:, None] * difference / difference.norm(dim=1, keepdim=True)
     return grad_a, grad_a
 """)
-mistake("03.2", "divides by the squared norm", says="dL/da and dL/db differ from the true derivative", answer="""
+mistake("03.2", "divides by the squared norm", says="dL/da divides by the squared distance", answer="""
 def distance_backward(grad_output, a, b):
     difference = a - b
     grad_a = grad_output[:, None] * difference / difference.pow(2).sum(1, keepdim=True)
@@ -776,7 +776,7 @@ def mean_validation_loss(model, batches):
             total += F.cross_entropy(model(x), y)
     return total / len(batches)
 """)
-mistake("15.1", "divides without reducing", says="differs by 0.57 from the mean over the ranks", answer="""
+mistake("15.1", "divides without reducing", says="is that rank's own gradient divided by world_size", answer="""
 def average_gradients(model, all_reduce_sum, world_size):
     for parameter in model.parameters():
         if parameter.grad is not None:

@@ -178,10 +178,13 @@ def check_average_gradients(average_gradients: Callable) -> str:
     """On three thread-ranks, one of which skips a layer, every rank must end with the mean gradient."""
     replicas = _replicas_with_local_gradients()
     expected = _mean_gradients(replicas)
+    local = [{name: p.grad.clone() for name, p in replica.named_parameters() if p.grad is not None}
+             for replica in replicas]
     ranks = _LockstepRanks(WORLD_SIZE)
     ranks.run(lambda rank: average_gradients(replicas[rank], ranks.all_reduce_sum_for(rank), WORLD_SIZE))
     for rank, replica in enumerate(replicas):
         for name, parameter in replica.named_parameters():
+            _require_not_local(parameter.grad, local[rank].get(name), name, rank)
             _require_mean(parameter.grad, expected[name], name, rank)
     return (f"on {WORLD_SIZE} ranks, one of which skipped a layer, every rank holds the mean gradient of every "
             "parameter, with the collectives paired up")
@@ -197,6 +200,20 @@ def _mean_gradients(replicas: list[_Branching]) -> dict[str, torch.Tensor]:
             grads.append(parameter.grad if parameter.grad is not None else torch.zeros_like(parameter))
         mean[name] = torch.stack(grads).mean(0)
     return mean
+
+
+def _require_not_local(grad: torch.Tensor | None, local: torch.Tensor | None, name: str, rank: int) -> None:
+    """Name an answer that scaled each rank's own gradient without combining the ranks'."""
+    if grad is None or local is None or grad.shape != local.shape:
+        return
+    if torch.allclose(grad.detach(), local / WORLD_SIZE, rtol=0, atol=TOLERANCE) and not torch.allclose(
+        local, local / WORLD_SIZE, rtol=0, atol=TOLERANCE
+    ):
+        raise NotYet(
+            f"{name}'s gradient on rank {rank} is that rank's own gradient divided by world_size: the ranks' "
+            "gradients were never added together",
+            hint="each rank sees only its own .grad until a collective combines them: pass it to all_reduce_sum first",
+        )
 
 
 def _require_mean(grad: torch.Tensor | None, expected: torch.Tensor, name: str, rank: int) -> None:
