@@ -699,7 +699,7 @@ def average_gradients(model, all_reduce_sum, world_size):
 """)
 
 # 15.2 shard files per rank and per epoch, without a sampler
-mistake("15.2", "contiguous blocks, no padding", says="no rank reads shards [2]", answer="""
+mistake("15.2", "contiguous blocks, no padding", says="the ones left over were dropped", answer="""
 def rank_shards(num_shards, rank, world_size, epoch, seed):
     order = torch.randperm(num_shards, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     per_rank = num_shards // world_size
@@ -785,4 +785,88 @@ def average_gradients(model, all_reduce_sum, world_size):
 mistake("14.2", "each worker starts at its own block of num_workers", says="came more than once", answer="""
 def worker_items(start, end, worker_id, num_workers):
     return range(start + worker_id * num_workers, end)
+""")
+mistake("04.2", "sums the unpacked outputs over the padding", says="differ from what each sequence gives when run alone", answer="""
+def mean_output(gru, padded, lengths):
+    outputs, _ = gru(padded)
+    return outputs.sum(1) / lengths[:, None].to(outputs.dtype)
+""")
+mistake("06.2", "decay on the 1-d parameters, none on the matrices", says="'embedding.weight' decays at 0, but its module's decay is 0.005", answer="""
+def layerwise_param_groups(model, decay_by_module):
+    groups = []
+    for name, decay in decay_by_module.items():
+        parameters = list(getattr(model, name).parameters())
+        groups.append({"params": [p for p in parameters if p.ndim < 2], "weight_decay": decay})
+        groups.append({"params": [p for p in parameters if p.ndim >= 2], "weight_decay": 0.0})
+    return groups
+""")
+mistake("10.2", "chooses update(floor) or update() from the scale before the update", says="the scale was left at 0.5 after a step, below the floor", answer="""
+def step_and_update(scaler, optimizer, floor):
+    scaler.step(optimizer)
+    if scaler.get_scale() < floor:
+        scaler.update(float(floor))
+    else:
+        scaler.update()
+""")
+mistake("11.2", "the excluded layer also inside the second compiled part", says="torch.compile still captured the excluded layer 2", answer="""
+def compile_around(model, index, compile):
+    return nn.Sequential(compile(model[:index]), model[index], compile(model[index:]))
+""")
+mistake("12.1", "adds the micro-batch means without dividing", says="the gradient is 6× the batch gradient", answer="""
+def global_batch_gradient(model, x, y, devices, accumulation_steps):
+    micro_rows = len(x) // (devices * accumulation_steps)
+    for x_micro, y_micro in zip(x.split(micro_rows), y.split(micro_rows)):
+        F.cross_entropy(model(x_micro), y_micro).backward()
+""")
+mistake("12.2", "N where the correction has N - 1", says="gives (N - B) / (N - 1)", answer="""
+def batch_for_noise(per_sample_grads, ratio):
+    n = len(per_sample_grads)
+    full = per_sample_grads.mean(0)
+    spread = (per_sample_grads - full).pow(2).sum(1).mean().item()
+    for batch in range(1, n + 1):
+        if spread * (n - batch) / (batch * n) <= ratio * full.pow(2).sum().item():
+            return batch
+""")
+mistake("13.2", "counts elements, not bytes", says="192 is a count of elements", answer="""
+def activation_bytes(module, *inputs):
+    left_out = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers(), *inputs]}
+    kept = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in left_out:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.numel()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(*inputs)
+    return sum(kept.values())
+""")
+mistake("14.1", "a fresh generator, never seeded", says="drew the same numbers from dataset.generator", answer="""
+def seed_dataset_generator(dataset, worker_seed):
+    dataset.generator = torch.Generator()
+""")
+mistake("16.1", "the reentrant checkpoint", says="the output does not require grad", answer="""
+def checkpointed_forward(blocks, x, blocks_per_segment):
+    def run_segment(segment_input, start):
+        for block in blocks[start:start + blocks_per_segment]:
+            segment_input = block(segment_input)
+        return segment_input
+
+    for start in range(0, len(blocks), blocks_per_segment):
+        x = torch.utils.checkpoint.checkpoint(run_segment, x, start, use_reentrant=True)
+    return x
+""")
+mistake("16.2", "heaviest first, but never stops", says="you checkpoint 4 blocks", answer="""
+def blocks_to_checkpoint(blocks, x, budget, kept_bytes):
+    frees, block_input = [], x
+    with torch.no_grad():
+        for block in blocks:
+            frees.append(kept_bytes(block, block_input))
+            block_input = block(block_input)
+    return sorted(range(len(blocks)), key=lambda i: frees[i], reverse=True)
+""")
+mistake("15.2", "strided slices without padding", says="the ranks got [4, 3, 3] shards", answer="""
+def rank_shards(num_shards, rank, world_size, epoch, seed):
+    order = torch.randperm(num_shards, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return order[rank::world_size]
 """)

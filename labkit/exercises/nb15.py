@@ -294,9 +294,17 @@ def _require_shards(shards: list[list[int]], samples: int, world_size: int, epoc
     covered = {index for shard in shards for index in shard}
     if covered != set(range(samples)):
         missing = sorted(set(range(samples)) - covered)
+        if not missing:
+            raise NotYet(f"the ranks got shard numbers outside range({samples})")
+        read = [index for shard in shards for index in shard]
+        if len(read) == len(set(read)):
+            raise NotYet(
+                f"with {samples} shards on {world_size} ranks in epoch {epoch}, no rank reads shards {missing[:5]}: "
+                f"{samples} shards do not split into {world_size} equal shares, and the ones left over were dropped",
+                hint=f"give every rank {share} shards, padding with repeats rather than dropping the remainder",
+            )
         raise NotYet(f"with {samples} shards on {world_size} ranks in epoch {epoch}, no rank reads shards "
-                     f"{missing[:5]}, while others are read twice: the ranks did not slice one common order"
-                     if missing else f"the ranks got shard numbers outside range({samples})")
+                     f"{missing[:5]}, while others are read twice: the ranks did not slice one common order")
     if lengths[0] > share:
         raise NotYet(f"with {samples} shards on {world_size} ranks, each rank got {lengths[0]} shards, "
                      f"more than the {share} needed: the ranks repeat each other's shards")
