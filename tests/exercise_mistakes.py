@@ -248,7 +248,7 @@ def sample_latent(mu, log_var):
 """)
 
 # 04.2 the mean output of each padded sequence, through a bidirectional GRU
-mistake("04.2", "the final hidden states instead of the mean", says="differ from what each sequence gives when run alone", answer="""
+mistake("04.2", "the final hidden states instead of the mean", says="are each direction's final hidden state", answer="""
 def mean_output(gru, padded, lengths):
     packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=False)
     _, hidden = gru(packed)
@@ -465,15 +465,15 @@ def spike_alert(history, current, factor=3.0, window=5):
 """)
 
 # 09.1 a pre-norm Transformer sublayer
-mistake("09.1", "norm on the sublayer's output", says="the output differs from x + sublayer(norm(x))", answer="""
+mistake("09.1", "norm on the sublayer's output", says="the normalisation is applied to the sublayer's output", answer="""
 def prenorm_sublayer(x, norm, sublayer):
     return x + norm(sublayer(x))
 """)
-mistake("09.1", "no skip path", says="the output differs from x + sublayer(norm(x))", answer="""
+mistake("09.1", "no skip path", says="there is no skip path", answer="""
 def prenorm_sublayer(x, norm, sublayer):
     return sublayer(norm(x))
 """)
-mistake("09.1", "norm after the sum, as before, twice", says="the output differs from x + sublayer(norm(x))", answer="""
+mistake("09.1", "norm after the sum, as before, twice", says="the normalisation is applied twice", answer="""
 def prenorm_sublayer(x, norm, sublayer):
     return norm(x + sublayer(norm(x)))
 """)
@@ -786,7 +786,7 @@ mistake("14.2", "each worker starts at its own block of num_workers", says="came
 def worker_items(start, end, worker_id, num_workers):
     return range(start + worker_id * num_workers, end)
 """)
-mistake("04.2", "sums the unpacked outputs over the padding", says="differ from what each sequence gives when run alone", answer="""
+mistake("04.2", "sums the unpacked outputs over the padding", says="include the outputs at the padding positions", answer="""
 def mean_output(gru, padded, lengths):
     outputs, _ = gru(padded)
     return outputs.sum(1) / lengths[:, None].to(outputs.dtype)
