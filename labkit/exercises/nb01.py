@@ -57,7 +57,10 @@ def check_entropy_term(entropy_term: Callable) -> str:
         raise NotYet(
             f"the values are not finite at p = {[p[i].item() for i in not_finite]}: log(0) is -inf, and 0 * -inf "
             "is NaN, so multiplying by 0 or by a mask afterwards cannot make it 0",
-            hint="choose the value at p == 0 with torch.where rather than computing p * log(p) there",
+            hint=(
+                "what is 0 * log(0) in floating point, and can anything done afterwards turn it back into 0?",
+                "choose the value at p == 0 with torch.where rather than computing p * log(p) there",
+            ),
         )
     _require_close(values.detach(), expected_values, "the values", "p * log(p), and 0 where p == 0")
     (grads,) = torch.autograd.grad(values.sum(), p)
@@ -69,7 +72,10 @@ def check_entropy_term(entropy_term: Callable) -> str:
         raise NotYet(
             f"the gradient at p == 0 is {grads[at_zero][0].item():.3g}, not 0: a clamp or an epsilon keeps the log "
             "finite, but the log's branch is still differentiated there",
-            hint="at p == 0 the result must not depend on p at all: select the constant 0 with torch.where",
+            hint=(
+                "at p == 0, does your result still depend on p?",
+                "at p == 0 the result must not depend on p at all: select the constant 0 with torch.where",
+            ),
         )
     _require_close(grads, expected_grads, "the gradient", "log(p) + 1 where p > 0, and 0 where p == 0")
     return f"values and gradients match p*log(p) on {p.numel()} probabilities, finite at p == 0"

@@ -247,14 +247,20 @@ def _require_full_batch_gradient(
             raise NotYet(
                 f"only the last micro-batch's gradient is left in .grad: something cleared .grad between the "
                 f"{pieces} backward passes",
-                hint="zero the gradients once, before the loop (or leave that to the caller), never inside it",
+                hint=(
+                    "what happens to .grad between one micro-batch's backward and the next?",
+                    "accumulation needs .grad to keep every micro-batch's gradient: never clear it inside the loop",
+                ),
             )
     ratio = _ratio_to(grads, list(expected))
     if ratio is not None:
         raise NotYet(
             f"with {len(y)} rows in micro-batches of {micro_batch}, .grad is {ratio:.4g} times the full-batch "
             "gradient: every row counts, but divided by the wrong number",
-            hint="the full-batch mean divides the summed per-row losses by len(y), the rows of the whole batch",
+            hint=(
+                "which number does the full-batch mean divide the summed per-row losses by?",
+                "the full-batch mean divides the summed per-row losses by len(y), the rows of the whole batch",
+            ),
         )
     raise NotYet(
         f"with {len(y)} rows in micro-batches of {micro_batch}, .grad differs by "

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.exercises import NotYet, TorchCalls, exercise, torch_error_clause
+from labkit.exercises import Hint, NotYet, TorchCalls, exercise, torch_error_clause
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -69,15 +69,18 @@ def _require_matches_layer_norm(layer_norm_rows: Callable, rows: torch.Tensor, u
         raise NotYet(f"on {label} with eps={eps:g} the gradient differs from F.layer_norm's by up to {gap:.2g}")
 
 
-def _which_normalisation(out: torch.Tensor, rows: torch.Tensor, eps: float) -> tuple[str, str | None]:
+def _which_normalisation(out: torch.Tensor, rows: torch.Tensor, eps: float) -> tuple[str, Hint | None]:
     """(the mistake, its hint) when the output matches a likely wrong normalisation, else ("", None)."""
     centred = rows - rows.mean(-1, keepdim=True)
     candidates = [
         (": it matches the normalisation without eps, so eps never reached the variance",
-         "LayerNorm divides by sqrt(variance + eps): eps goes inside the square root",
+         ("where in the normalisation does eps belong, and does your division see it?",
+          "LayerNorm divides by sqrt(variance + eps): eps goes inside the square root"),
          centred / centred.pow(2).mean(-1, keepdim=True).sqrt()),
         (": it divides by the unbiased variance (n - 1 in the denominator), where LayerNorm uses the mean of the "
-         "squared deviations", "LayerNorm's variance is the plain mean of the squared deviations (unbiased=False)",
+         "squared deviations",
+         ("which variance does LayerNorm use: divided by n, or by n - 1?",
+          "LayerNorm's variance is the plain mean of the squared deviations (unbiased=False)"),
          centred / (rows.var(-1, keepdim=True) + eps).sqrt()),
     ]  # fmt: skip
     for mistake, hint, wrong in candidates:

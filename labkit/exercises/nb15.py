@@ -212,7 +212,10 @@ def _require_not_local(grad: torch.Tensor | None, local: torch.Tensor | None, na
         raise NotYet(
             f"{name}'s gradient on rank {rank} is that rank's own gradient divided by world_size: the ranks' "
             "gradients were never added together",
-            hint="each rank sees only its own .grad until a collective combines them: pass it to all_reduce_sum first",
+            hint=(
+                "what does one rank know about the other ranks' gradients before a collective runs?",
+                "each rank sees only its own .grad until a collective combines them: pass it to all_reduce_sum first",
+            ),
         )
 
 
