@@ -155,13 +155,15 @@ def test_a_hub_not_run_as_root_is_refused_with_the_reason(monkeypatch, tmp_path,
 
 
 @needs_root
-def test_a_missing_course_or_proxy_is_a_clear_error(monkeypatch, passable, course):
-    with pytest.raises(LabkitError, match="not a course laid out by `make course`"):
+def test_a_missing_course_or_proxy_or_a_wrong_port_is_a_clear_error(monkeypatch, passable, course):
+    with pytest.raises(SystemExit, match="not a course laid out by `make course`"):
         hub_config(monkeypatch, passable, passable / "nowhere")
     monkeypatch.setenv("GRADIENTLAB_COURSE", str(course))
     monkeypatch.setenv("GRADIENTLAB_PROXY", str(passable / "missing-proxy"))
     with pytest.raises(SystemExit, match="run `make workshop-proxy`"):
         PyFileConfigLoader("jupyterhub_config.py", path=str(ROOT / "workshop")).load_config()
+    with pytest.raises(SystemExit, match=r"GRADIENTLAB_HUB_PORT='80a' is not a port number: give one from 1 to 65535"):
+        hub_config(monkeypatch, passable, course, GRADIENTLAB_HUB_PORT="80a")
 
 
 def test_learners_submit_as_their_own_account_whatever_jupyterhub_user_says(monkeypatch):

@@ -22,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's labkit, also when it is not installed
 from labkit.course import workshop  # noqa: E402
+from labkit.errors import LabkitError  # noqa: E402
 
 c = get_config()  # noqa: F821 (JupyterHub defines it)
 if os.geteuid() != 0:
@@ -31,7 +32,10 @@ COURSE = Path(os.environ.get("GRADIENTLAB_COURSE", HERE.parent / "course")).reso
 ROOM = Path(os.environ.get("GRADIENTLAB_ROOM", HERE / "room")).resolve()
 GROUP = os.environ.get("GRADIENTLAB_LEARNERS_GROUP", workshop.LEARNERS_GROUP)
 # Before anything starts: the course must exist, and its config must name an exchange (clear error otherwise).
-ENVIRONMENT = workshop.learner_environment(COURSE)
+try:
+    ENVIRONMENT = workshop.learner_environment(COURSE)
+except LabkitError as error:
+    sys.exit(str(error))
 workshop.lock_room(ROOM)
 workshop.lock_course(COURSE)
 for needed in (ROOM / "learners", COURSE / "release", Path(sys.executable), workshop.LEARNER_CONFIG):
@@ -39,10 +43,18 @@ for needed in (ROOM / "learners", COURSE / "release", Path(sys.executable), work
         sys.exit(f"learners' servers cannot reach {needed}: {closed} is closed to other accounts "
                  f"(chmod o+x {closed}, or keep the room, course and checkout in folders others may pass)")
 
+
 # ---- network: loopback only ------------------------------------------------------------------------
-c.JupyterHub.bind_url = f"http://127.0.0.1:{int(os.environ.get('GRADIENTLAB_HUB_PORT', 8000))}"
-c.JupyterHub.hub_bind_url = f"http://127.0.0.1:{int(os.environ.get('GRADIENTLAB_HUB_API_PORT', 8081))}"
-c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{int(os.environ.get('GRADIENTLAB_PROXY_API_PORT', 8001))}"
+def port(variable: str, default: int) -> int:
+    value = os.environ.get(variable, str(default))
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        sys.exit(f"{variable}={value!r} is not a port number: give one from 1 to 65535")
+    return int(value)
+
+
+c.JupyterHub.bind_url = f"http://127.0.0.1:{port('GRADIENTLAB_HUB_PORT', 8000)}"
+c.JupyterHub.hub_bind_url = f"http://127.0.0.1:{port('GRADIENTLAB_HUB_API_PORT', 8081)}"
+c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{port('GRADIENTLAB_PROXY_API_PORT', 8001)}"
 c.Spawner.ip = "127.0.0.1"
 # configurable-http-proxy from npm, installed into workshop/proxy/ from its lock (make workshop-proxy).
 PROXY = Path(os.environ.get("GRADIENTLAB_PROXY", HERE / "proxy" / "node_modules" / ".bin" / "configurable-http-proxy"))
