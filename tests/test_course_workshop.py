@@ -227,3 +227,11 @@ def test_a_hub_started_outside_a_checkout_names_the_missing_learner_config(monke
     monkeypatch.setattr(workshop, "LEARNER_CONFIG", tmp_path / "site-packages" / "workshop" / "learner")
     with pytest.raises(LabkitError, match=r"learner/nbgrader_config\.py is missing: the workshop hub runs from a checkout"):
         workshop.learner_environment(course)
+
+
+@needs_root
+def test_the_learners_command_names_a_wrong_learner_name(tmp_path):
+    from labkit.course import cli
+
+    with pytest.raises(LabkitError, match="learner name 'Ada': use 1-32 lower-case letters"):
+        cli.main(["learners", "Ada", "--room", str(tmp_path / "room"), "--group", "root"])
