@@ -236,6 +236,9 @@ def _need_root(what: str) -> None:
 
 
 def _run(command: list[str]) -> None:
+    if shutil.which(command[0]) is None:
+        raise LabkitError(f"{command[0]} is not on PATH: the hub's learners are Unix accounts, made with useradd and "
+                          "groupadd (Debian and Ubuntu: apt-get install passwd)")
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise LabkitError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
