@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,9 +24,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def course(tmp_path) -> Path:
+def passable(monkeypatch):
+    """A folder that other accounts may pass through, as the hub requires of the room and the course (pytest's
+    tmp_path lies in folders that are root's alone); removed after the test. This Python may lie in one too
+    (pyenv under /root): the configuration only names it, so it names a reachable file instead."""
+    folder = Path(tempfile.mkdtemp(prefix="gradientlab-hub-config-"))
+    folder.chmod(0o711)
+    monkeypatch.setattr(sys, "executable", "/usr/bin/env")
+    yield folder
+    shutil.rmtree(folder)
+
+
+@pytest.fixture
+def course(passable) -> Path:
     """A course folder as `make course` writes it (its real config template), with a release of two files."""
-    root = tmp_path / "course"
+    root = passable / "course"
     (root / "release" / "ps1").mkdir(parents=True)
     (root / "release" / "ps1" / "00_start_here.ipynb").write_text('{"released": 1}')
     (root / "release" / "ps1" / "data" / "x.txt").parent.mkdir()
@@ -81,22 +95,6 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-@pytest.fixture
-def passable(tmp_path):
-    """The hub refuses a room, course or Python that learners cannot reach; pytest's tmp_path lies in folders
-    that are root's alone, and so may this Python (pyenv under /root). Those folders let others pass (o+x)
-    for the test, and get their modes back after it."""
-    closed = {folder: mode(folder) for path in (tmp_path, Path(sys.executable).resolve())
-              for folder in [path, *path.parents] if folder.is_dir() and not folder.stat().st_mode & stat.S_IXOTH}
-    try:
-        for folder, before in closed.items():
-            folder.chmod(before | 0o001)
-        yield tmp_path
-    finally:
-        for folder, before in closed.items():
-            folder.chmod(before)
-
-
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the workshop hub runs as root (CI runs these as root)")
 
 
@@ -110,7 +108,7 @@ def test_the_shipped_hub_runs_each_learner_as_their_own_account_with_their_own_p
     assert config.Spawner.ip == "127.0.0.1"
     assert config.JupyterHub.spawner_class == "jupyterhub.spawner.LocalProcessSpawner"
     assert "--allow-root" not in [*config.Spawner.cmd, *config.Spawner.get("args", [])]
-    assert config.Spawner.cmd[1:] == ["-m", "labkit.course.workshop", str(course / "release")]
+    assert config.Spawner.cmd == ["/usr/bin/env", "-m", "labkit.course.workshop", str(course / "release")]
     assert config.JupyterHub.authenticator_class == "native"
     assert (config.NativeAuthenticator.enable_signup, config.NativeAuthenticator.allowed_failed_logins) == (False, 5)
     assert config.Authenticator.allowed_users == set() and "allow_all" not in config.Authenticator
