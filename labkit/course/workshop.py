@@ -145,6 +145,8 @@ def add_learner(room: Path, name: str, group: str = LEARNERS_GROUP, password: st
     except KeyError:
         _run(["useradd", "--create-home", "--home-dir", str(folder / name), "--shell", "/bin/bash",
               "--user-group", "--groups", group, name])
+        # A room of the earlier shared-account hub left the learner's folder root's: it is theirs now.
+        _run(["chown", "-R", f"{name}:{name}", str(folder / name)])
     else:
         if name not in learners_of(group):
             raise LabkitError(f"a Unix account {name!r} exists and is not a learner of this room (group {group}): "
