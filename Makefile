@@ -45,7 +45,7 @@ COMPAT_PIP := PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip --isola
 COMPAT_ENV := CUDA_HOME= CUDA_PATH=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup hooks lab lab-student notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student course workshop workshop-proxy bench repro clean
+.PHONY: help setup hooks lab lab-student notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student course workshop workshop-proxy workshop-learners workshop-password bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -139,9 +139,17 @@ $(PROXY): workshop/proxy/package.json workshop/proxy/package-lock.json
 
 workshop-proxy: $(PROXY) ## install the hub's proxy (configurable-http-proxy, locked in workshop/proxy/) with npm
 
-workshop: $(STAMP) $(PROXY) ## start the room's JupyterHub on 127.0.0.1:$(WORKSHOP_PORT) for the course in $(COURSE)/ (Ctrl-C stops it all)
+workshop: $(STAMP) $(PROXY) ## as root: start the room's JupyterHub on 127.0.0.1:$(WORKSHOP_PORT) for the course in $(COURSE)/ (Ctrl-C stops it all)
 	@test -d $(COURSE)/release || { echo "no course in $(COURSE)/: run make course NB=\"00 02 05\" ASSIGNMENT=ps1 first"; exit 2; }
 	GRADIENTLAB_COURSE=$(abspath $(COURSE)) GRADIENTLAB_HUB_PORT=$(WORKSHOP_PORT) $(VENV)/bin/jupyterhub -f workshop/jupyterhub_config.py
+
+workshop-learners: $(STAMP) ## as root: add the room's learners, an account and a password each (LEARNERS="ada bo"; prints the passwords)
+	@test -n "$(LEARNERS)" || { echo 'usage: sudo make workshop-learners LEARNERS="ada bo"'; exit 2; }
+	$(PY) -m labkit course learners $(LEARNERS)
+
+workshop-password: $(STAMP) ## as root: set a learner's hub password (LEARNER=ada; NEW=1 makes a random one)
+	@test -n "$(LEARNER)" || { echo 'usage: sudo make workshop-password LEARNER=ada [NEW=1]'; exit 2; }
+	$(PY) -m labkit course password $(LEARNER) $(if $(NEW),--new)
 
 # The bench extra (tensorboard, for tracer_overhead.py's TensorBoard recipe) is not in dev: only make bench
 # installs it, from the same lock.

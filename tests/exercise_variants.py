@@ -362,7 +362,7 @@ def record_grad_norms(model):
         handles.append(param.register_hook(store))
     return norms, handles
 """,
-    dodge_says="the hook saw only one backward pass's gradient",
+    dodge_says="the hook ran before accumulation",
 )
 
 variants(

@@ -1,15 +1,18 @@
 """The workshop hub's configuration without starting a hub: what workshop/jupyterhub_config.py sets (loopback,
-the spawner, the shared-password authenticator and never a dummy one), the learners' nbgrader settings, and
-labkit.course.workshop's copy of the release, which never overwrites a learner's file.
-tests/test_workshop.py runs the hub itself."""
+each learner's server as their own account and never as root, a password per learner with a lockout, the
+modes that keep the hub's secrets and the course's sources root's), the learners' nbgrader settings, the
+collect that files a submission as its owner's, and labkit.course.workshop's copy of the release, which never
+overwrites a learner's file. tests/test_workshop.py runs the hub itself, with two learners' accounts."""
 
 from __future__ import annotations
 
-import getpass
 import os
 import pwd
+import shutil
+import stat
+import sys
+import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from traitlets.config import PyFileConfigLoader
@@ -21,15 +24,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def course(tmp_path) -> Path:
+def passable(monkeypatch):
+    """A folder that other accounts may pass through, as the hub requires of the room and the course (pytest's
+    tmp_path lies in folders that are root's alone); removed after the test. This Python may lie in one too
+    (pyenv under /root): the configuration only names it, so it names a reachable file instead."""
+    folder = Path(tempfile.mkdtemp(prefix="gradientlab-hub-config-"))
+    folder.chmod(0o711)
+    monkeypatch.setattr(sys, "executable", "/usr/bin/env")
+    yield folder
+    shutil.rmtree(folder)
+
+
+@pytest.fixture
+def course(passable) -> Path:
     """A course folder as `make course` writes it (its real config template), with a release of two files."""
-    root = tmp_path / "course"
+    root = passable / "course"
     (root / "release" / "ps1").mkdir(parents=True)
     (root / "release" / "ps1" / "00_start_here.ipynb").write_text('{"released": 1}')
     (root / "release" / "ps1" / "data" / "x.txt").parent.mkdir()
     (root / "release" / "ps1" / "data" / "x.txt").write_text("data")
     (root / "nbgrader_config.py").write_text(layout.CONFIG.format(
-        course_id=layout.COURSE_ID, kernel=layout.KERNEL_NAME, slowest=1, timeout=2))
+        course_id=layout.COURSE_ID, kernel=layout.KERNEL_NAME, slowest=1, timeout=2, collect=layout.OWNERS_COLLECT))
     return root
 
 
@@ -61,76 +76,160 @@ def test_the_release_is_copied_and_a_learner_s_file_is_never_overwritten(course,
     assert (home / "ps1" / "00_start_here.ipynb").read_text() == '{"answered": 1}'
 
 
-def test_copies_can_be_handed_to_the_learner_s_account(course, tmp_path):
-    me = getpass.getuser()
-    copied = workshop.copy_release(course / "release", tmp_path / "home", owner=me)
-    assert {path.stat().st_uid for path in copied} == {pwd.getpwnam(me).pw_uid}
-
-
 def test_an_empty_release_is_refused(tmp_path):
     (tmp_path / "release").mkdir()
     with pytest.raises(LabkitError, match="holds no released assignment: run make course"):
         workshop.copy_release(tmp_path / "release", tmp_path / "home")
 
 
-def test_the_learner_s_folder_is_the_spawner_s_home_or_the_account_s(tmp_path):
-    assert workshop.learner_home(SimpleNamespace(home_dir=str(tmp_path), user=SimpleNamespace(name="x"))) == tmp_path
-    me = getpass.getuser()
-    assert workshop.learner_home(SimpleNamespace(user=SimpleNamespace(name=me))) == Path(pwd.getpwnam(me).pw_dir)
-    with pytest.raises(LabkitError, match="has no Unix account"):
-        workshop.learner_home(SimpleNamespace(user=SimpleNamespace(name="no-such-learner-here")))
-
-
 def hub_config(monkeypatch, tmp_path, course, **extra):
     proxy = tmp_path / "configurable-http-proxy"
     proxy.write_text("")
     for name, value in {"GRADIENTLAB_COURSE": str(course), "GRADIENTLAB_ROOM": str(tmp_path / "room"),
-                        "GRADIENTLAB_PROXY": str(proxy), "GRADIENTLAB_ROOM_PASSWORD": "", **extra}.items():
+                        "GRADIENTLAB_PROXY": str(proxy), **extra}.items():
         monkeypatch.setenv(name, value)
     return PyFileConfigLoader("jupyterhub_config.py", path=str(ROOT / "workshop")).load_config()
 
 
-def test_the_shipped_hub_listens_on_loopback_with_a_room_password_and_no_dummy_login(monkeypatch, tmp_path, course):
-    config = hub_config(monkeypatch, tmp_path, course, GRADIENTLAB_HUB_PORT="8123")
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the workshop hub runs as root (CI runs these as root)")
+
+
+@needs_root
+def test_the_shipped_hub_runs_each_learner_as_their_own_account_with_their_own_password(monkeypatch, passable, course):
+    config = hub_config(monkeypatch, passable, course, GRADIENTLAB_HUB_PORT="8123",
+                        GRADIENTLAB_LEARNERS_GROUP="no-such-group-here")
     assert config.JupyterHub.bind_url == "http://127.0.0.1:8123"
     assert config.JupyterHub.hub_bind_url.startswith("http://127.0.0.1:")
     assert config.ConfigurableHTTPProxy.api_url.startswith("http://127.0.0.1:")
     assert config.Spawner.ip == "127.0.0.1"
-    assert config.JupyterHub.authenticator_class == "shared-password"
+    assert config.JupyterHub.spawner_class == "jupyterhub.spawner.LocalProcessSpawner"
+    assert "--allow-root" not in [*config.Spawner.cmd, *config.Spawner.get("args", [])]
+    assert config.Spawner.cmd == ["/usr/bin/env", "-m", "labkit.course.workshop", str(course / "release")]
+    assert config.JupyterHub.authenticator_class == "native"
+    assert (config.NativeAuthenticator.enable_signup, config.NativeAuthenticator.allowed_failed_logins) == (False, 5)
+    assert config.Authenticator.allowed_users == set() and "allow_all" not in config.Authenticator
+    assert config.Authenticator.allow_existing_users is False
     assert "dummy" not in (ROOT / "workshop" / "jupyterhub_config.py").read_text().lower()
-    password = (tmp_path / "room" / "password").read_text().strip()
-    assert len(password) >= 8 and config.SharedPasswordAuthenticator.user_password == password
-    assert (tmp_path / "room" / "password").stat().st_mode & 0o077 == 0, "the room password is readable by others"
-    assert config.JupyterHub.spawner_class == "jupyterhub.spawner.SimpleLocalProcessSpawner"
-    assert config.SimpleLocalProcessSpawner.home_dir_template == str(tmp_path / "room" / "learners" / "{username}")
     env = config.Spawner.environment
     assert (env["GRADIENTLAB_EXCHANGE"], env["JUPYTER_CONFIG_PATH"]) == (str(course / "exchange"),
                                                                          str(ROOT / "workshop" / "learner"))
-    assert config.Authenticator.allow_all is True
 
 
-def test_named_learners_only_and_a_missing_course_or_proxy_is_a_clear_error(monkeypatch, tmp_path, course):
-    config = hub_config(monkeypatch, tmp_path, course, GRADIENTLAB_LEARNERS="ada bo", GRADIENTLAB_ROOM_PASSWORD="p" * 8)
-    assert config.Authenticator.allowed_users == {"ada", "bo"}
-    assert config.SharedPasswordAuthenticator.user_password == "p" * 8
-    with pytest.raises(LabkitError, match="not a course laid out by `make course`"):
-        hub_config(monkeypatch, tmp_path, tmp_path / "nowhere")
+@needs_root
+def test_the_hub_s_secrets_and_the_course_s_sources_are_root_s_alone(monkeypatch, passable, course):
+    (course / "source" / "ps1").mkdir(parents=True)
+    (course / "source" / "ps1" / "00_start_here.ipynb").write_text("{}")
+    room = passable / "room"
+    room.mkdir()
+    (room / "jupyterhub_cookie_secret").write_text("secret")
+    (room / "jupyterhub_cookie_secret").chmod(0o644)  # as an earlier hub or an instructor may have left it
+    hub_config(monkeypatch, passable, course)
+    assert {path.name: mode(path) for path in room.iterdir()} == {
+        "learners": 0o711, "jupyterhub.sqlite": 0o600, "jupyterhub_cookie_secret": 0o600}
+    assert mode(room) == 0o711
+    assert mode(course) == 0o711
+    private = {path.name: mode(path) for path in course.iterdir() if path.name not in ("exchange", "release")}
+    assert private == {"nbgrader_config.py": 0o600, "gradebook.db": 0o600, "source": 0o700, "submitted": 0o700,
+                       "autograded": 0o700, "feedback": 0o700}
+    assert mode(course / "release") & 0o005 == 0o005, "learners copy their release from here"
+
+
+@needs_root
+def test_a_room_learners_cannot_reach_is_refused(monkeypatch, passable, course):
+    closed = passable / "closed"
+    closed.mkdir(mode=0o700)
+    with pytest.raises(SystemExit, match=r"learners' servers cannot reach .*closed is closed to other accounts"):
+        hub_config(monkeypatch, closed, course)
+
+
+def test_a_hub_not_run_as_root_is_refused_with_the_reason(monkeypatch, tmp_path, course):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="runs as root, so that it can start each learner's server as the learner's"):
+        hub_config(monkeypatch, tmp_path, course)
+
+
+@needs_root
+def test_a_missing_course_or_proxy_or_a_wrong_port_is_a_clear_error(monkeypatch, passable, course):
+    with pytest.raises(SystemExit, match="not a course laid out by `make course`"):
+        hub_config(monkeypatch, passable, passable / "nowhere")
     monkeypatch.setenv("GRADIENTLAB_COURSE", str(course))
-    monkeypatch.setenv("GRADIENTLAB_PROXY", str(tmp_path / "missing-proxy"))
+    monkeypatch.setenv("GRADIENTLAB_PROXY", str(passable / "missing-proxy"))
     with pytest.raises(SystemExit, match="run `make workshop-proxy`"):
         PyFileConfigLoader("jupyterhub_config.py", path=str(ROOT / "workshop")).load_config()
+    with pytest.raises(SystemExit, match=r"GRADIENTLAB_HUB_PORT='80a' is not a port number: give one from 1 to 65535"):
+        hub_config(monkeypatch, passable, course, GRADIENTLAB_HUB_PORT="80a")
 
 
-def test_learners_submit_under_their_hub_name_to_the_course_exchange(monkeypatch):
+def test_learners_submit_as_their_own_account_whatever_jupyterhub_user_says(monkeypatch):
     monkeypatch.setenv("GRADIENTLAB_EXCHANGE", "/srv/exchange")
     monkeypatch.setenv("GRADIENTLAB_COURSE_ID", "gradientlab")
-    monkeypatch.setenv("JUPYTERHUB_USER", "ada")
+    monkeypatch.setenv("JUPYTERHUB_USER", "bo")
     config = PyFileConfigLoader("nbgrader_config.py", path=str(workshop.LEARNER_CONFIG)).load_config()
     assert config.Exchange.root == "/srv/exchange"
-    assert (config.CourseDirectory.course_id, config.CourseDirectory.student_id) == ("gradientlab", "ada")
+    assert config.CourseDirectory.course_id == "gradientlab"
+    assert "student_id" not in config.CourseDirectory, "nbgrader would file the work under JUPYTERHUB_USER's name"
+
+
+def test_a_course_config_that_collects_by_claimed_name_is_refused(course):
+    config = course / "nbgrader_config.py"
+    config.write_text(config.read_text().replace("c.ExchangeFactory.collect", "# c.ExchangeFactory.collect"))
+    with pytest.raises(LabkitError, match=r"does not collect submissions as their owners'.*c\.ExchangeFactory\.collect"):
+        workshop.exchange_of(course)
+
+
+@needs_root
+def test_collect_files_a_submission_under_the_account_that_wrote_it(tmp_path):
+    from nbgrader.coursedir import CourseDirectory
+
+    from labkit.course.exchange import OwnersCollect
+
+    inbound = tmp_path / "inbound"
+    inbound.mkdir()
+    forged, own = inbound / "bo+ps1+2026-12-05 20:00:00.000000 UTC+abc", inbound / "ada+ps1+2026-12-05 20:00:00.000000 UTC+d"
+    for folder in (forged, own):
+        folder.mkdir()
+    os.chown(forged, pwd.getpwnam("nobody").pw_uid, -1)  # another account wrote it, claiming bo's name
+    collect = OwnersCollect(coursedir=CourseDirectory())
+    collect.inbound_path = str(inbound)
+    assert collect._path_to_record(str(forged))["username"] == "nobody"
+    assert collect._path_to_record(str(own))["username"] == "ada", "the instructor's own folders keep their name"
+
+
+@needs_root
+def test_a_learner_name_must_be_an_account_name_and_an_account_outside_the_room_is_never_taken(tmp_path):
+    with pytest.raises(LabkitError, match="learner name 'Ada Lovelace': use 1-32 lower-case letters"):
+        workshop.add_learner(tmp_path / "room", "Ada Lovelace", "root")
+    with pytest.raises(LabkitError, match="a Unix account 'nobody' exists and is not a learner of this room"):
+        workshop.add_learner(tmp_path / "room", "nobody", "root")
+    with pytest.raises(LabkitError, match="password is 5 characters long: use 8 or more"):
+        workshop.set_password(tmp_path / "room", "nobody", "short")
+
+
+def test_adding_a_learner_needs_root(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(LabkitError, match=r"adding the learner 'ada' \(a Unix account\) needs root: run it with sudo"):
+        workshop.add_learner(tmp_path / "room", "ada")
+
+
+def test_a_learner_s_server_never_starts_as_root(monkeypatch, course):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(LabkitError, match="a learner's server never runs as root"):
+        workshop.serve(course / "release", [])
 
 
 def test_a_hub_started_outside_a_checkout_names_the_missing_learner_config(monkeypatch, tmp_path, course):
     monkeypatch.setattr(workshop, "LEARNER_CONFIG", tmp_path / "site-packages" / "workshop" / "learner")
     with pytest.raises(LabkitError, match=r"learner/nbgrader_config\.py is missing: the workshop hub runs from a checkout"):
         workshop.learner_environment(course)
+
+
+@needs_root
+def test_the_learners_command_names_a_wrong_learner_name(tmp_path):
+    from labkit.course import cli
+
+    with pytest.raises(LabkitError, match="learner name 'Ada': use 1-32 lower-case letters"):
+        cli.main(["learners", "Ada", "--room", str(tmp_path / "room"), "--group", "root"])

@@ -1,7 +1,8 @@
-"""Every exercise, five ways: the solution passes its check, the student stub fails it as "not
+"""Every exercise, six ways: the solution passes its check, the student stub fails it as "not
 attempted yet", the planted bug fails it for the reason registered as `planted=`, another correct
-answer written differently passes, and an answer that dodges the lesson fails with the diagnosis
-tests/exercise_variants.py gives it. A check that passes on its planted bug or its dodge, or rejects
+answer written differently passes, an answer that dodges the lesson fails with the diagnosis
+tests/exercise_variants.py gives it, and each likely wrong answer in tests/exercise_mistakes.py
+fails with the diagnosis that names its own mistake. A check that passes on its planted bug or its dodge, or rejects
 one only because the check or the cell crashed, fails here; so does a check that passes trivial
 answers, and a hint that does not grow more explicit from a first failed try to a later one.
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from exercise_mistakes import MISTAKES
 from exercise_variants import VARIANTS
 
 from labkit import exercises, grading, student
@@ -135,6 +137,34 @@ def test_an_answer_that_dodges_the_lesson_fails_with_its_diagnosis(cells):
     problem = problem_of(result.message)
     assert not result.passed, f"the check for {cells.exercise} passes an answer that dodges the lesson"
     assert variant.dodge_says in problem, f"expected the diagnosis to say {variant.dodge_says!r}: {result.message}"
+    assert grading_crash(cells.function, problem) is None, result.message
+
+
+# Catalogued per exercise, besides the planted bug, the stub and the dodge.
+LIKELY_WRONG_ANSWERS = 3
+
+
+def test_every_exercise_has_at_least_three_likely_wrong_answers_with_their_diagnoses():
+    exercise_ids = {case.values[0].exercise for case in CASES}
+    assert set(MISTAKES) == exercise_ids
+    too_few = {eid: len(MISTAKES[eid]) for eid in exercise_ids if len(MISTAKES[eid]) < LIKELY_WRONG_ANSWERS}
+    assert not too_few, f"likely wrong answers catalogued, fewer than {LIKELY_WRONG_ANSWERS}: {too_few}"
+
+
+MISTAKE_CASES = [
+    pytest.param(cells, entry, id=f"{cells.exercise}:{entry.label}")
+    for case in CASES
+    for cells in case.values[:1]
+    for entry in MISTAKES.get(cells.exercise, [])
+]
+
+
+@pytest.mark.parametrize(("cells", "entry"), MISTAKE_CASES)
+def test_a_likely_wrong_answer_gets_the_diagnosis_of_its_own_mistake(cells, entry):
+    result = grading.run_check(cells.exercise, define(entry.answer, cells.function))
+    problem = problem_of(result.message)
+    assert not result.passed, f"the check for {cells.exercise} passes a wrong answer ({entry.label})"
+    assert entry.says in problem, f"expected the diagnosis to say {entry.says!r}: {result.message}"
     assert grading_crash(cells.function, problem) is None, result.message
 
 

@@ -1,17 +1,26 @@
 """The workshop's JupyterHub (workshop/jupyterhub_config.py), run for real: a room of two learners on loopback.
 
-The hub starts from the shipped configuration with only the authenticator swapped for JupyterHub's dummy one
-(any password) and its ports, course and room folders set through the environment. Both learners go through
-the hub's REST API and then their own hub-spawned server, as JupyterLab does in a browser:
-- the hub starts each server, whose pre-spawn hook copied the course's release into the learner's folder;
+The test makes the room as an instructor does (`labkit.course.workshop.add_learner`: a Unix account, a home
+only its learner can open and a hub password each, in a group of the test's own) and removes the accounts at
+the end, whatever happened. The hub starts from the shipped configuration, authenticator included, with its
+ports, course, room and group set through the environment; it runs as root, as `sudo make workshop` and CI
+do. Both learners log in with their own password through the hub's REST API and then use their own
+hub-spawned server, as JupyterLab does in a browser:
+- the hub starts each server under the learner's account, which first copies the course's release into the
+  learner's home;
 - a kernel session is opened on ``ps1/00_start_here.ipynb`` through the server's sessions API, every code cell
   is sent as an execute request on the kernel's websocket, and the outputs are saved back through the
   contents API; ada first types the solutions into the exercise cells, bo leaves the release untouched;
 - each learner submits through nbgrader's assignment list (the Assignments tab's Submit, on their server).
+- each learner's kernel tries to read the other's home, the course's sources and gradebook and the hub's
+  secrets, and to write into labkit: every try is denied;
+- then ada, from her own account, submits her answers under bo's name twice (JUPYTERHUB_USER=bo, and
+  nbgrader's --student=bo).
 The instructor then runs `nbgrader collect` and `autograde` in the course folder and reads the gradebook:
-ada 2 of 2 points, bo 0 of 2. ada answered 00.1 at an earlier session (her notebook is in her folder before the
-hub starts), so her 00.1 point also shows that the pre-spawn copy did not overwrite her work. The hub is stopped with SIGINT, as Ctrl-C in `make workshop` does, and no process it started
-may be left. configurable-http-proxy comes from npm (`npm ci --prefix workshop/proxy`): without npm the
+ada 2 of 2 points, bo 0 of 2 (his own submission, not ada's forgeries). ada answered 00.1 at an earlier session (her notebook is in her folder before the
+hub starts), so her 00.1 point also shows that the copy did not overwrite her work. Wrong passwords, unknown
+names, root and an account outside the room are refused, and five wrong passwords lock a name out. The hub is
+stopped with SIGINT, as Ctrl-C in `make workshop` does, and no process it started may be left. configurable-http-proxy comes from npm (`npm ci --prefix workshop/proxy`): without npm the
 module skips, saying so.
 """
 
@@ -20,11 +29,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -36,19 +49,25 @@ import psutil
 import pytest
 
 from labkit import student
-from labkit.course import layout
+from labkit.course import layout, workshop
 
 pytest.importorskip("jupyterhub", reason="JupyterHub is in the workshop extra: pip install -e '.[workshop]'")
 pytest.importorskip("nbgrader", reason="nbgrader is in the course extra: pip install -e '.[course]'")
 requests = pytest.importorskip("requests")
-from nbgrader.api import Gradebook  # noqa: E402 (after the skips)
+from jupyterhub.spawner import set_user_setuid  # noqa: E402 (after the skips)
+from nbgrader.api import Gradebook  # noqa: E402
 from tornado.httpclient import HTTPRequest  # noqa: E402
 from tornado.websocket import websocket_connect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "00_start_here.ipynb"
 ASSIGNMENT = "ps1"
-LEARNERS = ("ada", "bo")
+# Names of this run only (a Unix account each, removed at the end): ada answers, bo leaves the release as is.
+ROOM_ID = secrets.token_hex(3)
+ADA, BO = f"ada{ROOM_ID}", f"bo{ROOM_ID}"
+LEARNERS = (ADA, BO)
+GROUP = f"glab{ROOM_ID}"
+PASSWORDS = {ADA: "ada's own passphrase", BO: "bo's own passphrase"}
 PROXY = ROOT / "workshop" / "proxy" / "node_modules" / ".bin" / "configurable-http-proxy"
 # The bound: the first test also runs both fixtures (course, hub, two servers, two runs of 00, the autograde of
 # two notebooks), about 2.5 minutes of CPU; a 2-core machine shared with a dozen other jobs took 8 minutes.
@@ -56,6 +75,9 @@ PROXY = ROOT / "workshop" / "proxy" / "node_modules" / ".bin" / "configurable-ht
 CELL_TIMEOUT_S = 240
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+if os.geteuid() != 0:
+    pytest.skip("the workshop hub runs as root (it starts each learner's server as the learner's account): "
+                "run this test as root, as CI does", allow_module_level=True)
 if shutil.which("npm") is None:
     pytest.skip("npm is not on PATH: the workshop's configurable-http-proxy is an npm package "
                 "(install Node.js and npm, then make workshop-proxy)", allow_module_level=True)
@@ -227,8 +249,47 @@ async def execute(ws_url: str, token: str, nb: nbformat.NotebookNode, probe: str
         connection.close()
 
 
-PROBE = "import json, os, sys, labkit; print(json.dumps({'cwd': os.getcwd(), 'python': sys.executable, " \
-        "'user': os.environ.get('JUPYTERHUB_USER'), 'labkit': labkit.__file__}))"
+# What a learner's kernel tries beyond the lesson: read what is not theirs, write into the labkit that grades.
+PROBE = """
+import json, os, pathlib, sys, labkit
+
+
+def attempt(action):
+    try:
+        action()
+    except PermissionError:
+        return "denied"
+    return "done"
+
+
+def read(path):
+    return os.listdir(path) if os.path.isdir(path) else pathlib.Path(path).read_bytes()
+
+
+def plant(folder):
+    planted = pathlib.Path(folder) / "planted_by_a_learner.py"
+    planted.touch(exist_ok=False)
+    planted.unlink()
+
+
+reads = {{name: attempt(lambda path=path: read(path)) for name, path in {targets!r}.items()}}
+writes = {{"labkit/__init__.py": attempt(lambda: open(labkit.__file__, "r+b").close()),
+           "labkit/": attempt(lambda: plant(pathlib.Path(labkit.__file__).parent))}}
+print(json.dumps({{"cwd": os.getcwd(), "python": sys.executable, "user": os.environ.get("JUPYTERHUB_USER"),
+                  "uid": os.getuid(), "labkit": labkit.__file__, "reads": reads, "writes": writes}}))
+"""
+
+
+def probe_for(room: Room, learner: str) -> str:
+    """The probe of ``learner``'s kernel: the other learner's home, the course's solutions and gradebook, the
+    hub's secrets."""
+    other = next(name for name in LEARNERS if name != learner)
+    targets = {"the other learner's home": room.room / "learners" / other,
+               "the course's sources": room.course / "source" / ASSIGNMENT / NOTEBOOK.name,
+               "the gradebook": room.course / "gradebook.db",
+               "the hub's cookie secret": room.room / "jupyterhub_cookie_secret",
+               "the hub's database": room.room / workshop.HUB_DATABASE}
+    return PROBE.format(targets={name: str(path) for name, path in targets.items()})
 
 
 def answer_with_solutions(nb: nbformat.NotebookNode, exercises: tuple[str, ...]) -> None:
@@ -253,7 +314,7 @@ def work_on_00(room: Room, learner: str, server: str, answer: tuple[str, ...]) -
     assert session.status_code == 201, session.text
     kernel, session_id = session.json()["kernel"]["id"], session.json()["id"]
     ws_url = server.replace("http://", "ws://") + f"api/kernels/{kernel}/channels?session_id={uuid.uuid4().hex}"
-    probe = asyncio.run(execute(ws_url, room.tokens[learner], nb, PROBE))
+    probe = asyncio.run(execute(ws_url, room.tokens[learner], nb, probe_for(room, learner)))
     saved = room.api("PUT", f"{server}api/contents/{path}", learner,
                      json={"type": "notebook", "format": "json", "content": nb})
     assert saved.status_code == 200, saved.text
@@ -269,13 +330,23 @@ def submit(room: Room, learner: str, server: str) -> None:
     assert not (isinstance(reply.json(), dict) and reply.json().get("success") is False), reply.json().get("value")
 
 
-def start_hub(course: Path, folder: Path, learners, args: list[str], env: dict[str, str], started: float) -> Room:
+def submit_as_someone_else(room: Room, learner: str, victim: str, *claim: str) -> None:
+    """From ``learner``'s own terminal (their account, their server's environment): `nbgrader submit` of their
+    work with JUPYTERHUB_USER set to ``victim`` and ``claim`` added to the command line."""
+    account = pwd.getpwnam(learner)
+    env = {**workshop.learner_environment(room.course), "HOME": account.pw_dir, "USER": learner,
+           "JUPYTERHUB_USER": victim}
+    done = subprocess.run([sys.executable, "-m", "nbgrader", "submit", ASSIGNMENT, *claim], cwd=account.pw_dir,
+                          env=env, preexec_fn=set_user_setuid(learner), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{learner}'s nbgrader submit {' '.join(claim)} failed:\n{done.stderr[-2000:]}"
+
+
+def start_hub(course: Path, folder: Path, args: list[str], env: dict[str, str], started: float) -> Room:
     """The shipped configuration in a process group of its own, on free loopback ports (``args``: overrides)."""
     port = free_port()
     env = {**os.environ, "GRADIENTLAB_COURSE": str(course), "GRADIENTLAB_ROOM": str(folder),
-           "GRADIENTLAB_LEARNERS": " ".join(learners), "GRADIENTLAB_HUB_PORT": str(port),
+           "GRADIENTLAB_LEARNERS_GROUP": GROUP, "GRADIENTLAB_HUB_PORT": str(port),
            "GRADIENTLAB_HUB_API_PORT": str(free_port()), "GRADIENTLAB_PROXY_API_PORT": str(free_port()), **env}
-    folder.mkdir(parents=True, exist_ok=True)
     log = folder.parent / f"{folder.name}-hub.log"
     with log.open("w") as sink:
         hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(ROOT / "workshop" / "jupyterhub_config.py"),
@@ -285,34 +356,74 @@ def start_hub(course: Path, folder: Path, learners, args: list[str], env: dict[s
 
 
 @pytest.fixture(scope="module")
-def room(tmp_path_factory):
+def accounts():
+    """A folder other accounts may pass through (pytest's own are root's alone), and the room's learners, a
+    Unix account and a password each; the accounts, their group and the folder go at the end, whatever happened."""
+    base = Path(tempfile.mkdtemp(prefix="gradientlab-workshop-"))
+    # This Python may live in root's home (pyenv): the learners' servers run it, so its folders let them pass
+    # for the test (o+x: pass, not list), and get their modes back after it.
+    closed = {folder: stat.S_IMODE(folder.stat().st_mode) for path in (base, Path(sys.executable).resolve(), ROOT)
+              for folder in [path, *path.parents] if folder.is_dir() and not folder.stat().st_mode & stat.S_IXOTH}
+    try:
+        for folder, mode in closed.items():
+            folder.chmod(mode | 0o001)
+        for learner in LEARNERS:
+            workshop.add_learner(base / "room", learner, GROUP, PASSWORDS[learner])
+        yield base
+    finally:
+        for learner in LEARNERS:
+            subprocess.run(["userdel", learner], capture_output=True)
+        subprocess.run(["groupdel", GROUP], capture_output=True)
+        for folder, mode in closed.items():
+            folder.chmod(mode)
+        shutil.rmtree(base)
+    assert not {learner for learner in LEARNERS if _account_exists(learner)}, "a learner's account was left behind"
+
+
+def _account_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def room(accounts):
     """A course with ps1 = 00 released to the exchange, and the workshop hub running for ada and bo."""
     started = time.monotonic()
     install_proxy()
-    base = tmp_path_factory.mktemp("workshop")
-    course = base / "course"
+    course = accounts / "course"
     layout.create_course([NOTEBOOK], course, ASSIGNMENT)
     nbgrader(course, "release_assignment", ASSIGNMENT)
     # ada worked on 00.1 at an earlier session of the room: the hub must start her server on that file.
     earlier = nbformat.read(course / "release" / ASSIGNMENT / NOTEBOOK.name, 4)
     answer_with_solutions(earlier, ("00.1",))
-    earlier_work = base / "room" / "learners" / "ada" / ASSIGNMENT / NOTEBOOK.name
-    earlier_work.parent.mkdir(parents=True)
+    ada = pwd.getpwnam(ADA)
+    earlier_work = Path(ada.pw_dir) / ASSIGNMENT / NOTEBOOK.name
+    earlier_work.parent.mkdir()
     nbformat.write(earlier, earlier_work)
-    room = start_hub(course, base / "room", LEARNERS, ["--JupyterHub.authenticator_class=dummy"], {}, started)
+    for path in (earlier_work.parent, earlier_work):
+        os.chown(path, ada.pw_uid, ada.pw_gid)
+    room = start_hub(course, accounts / "room", [], {}, started)
     room.earlier_work = earlier_work
-    room.phase("proxy install, course laid out and released")
+    room.phase("proxy install, accounts made, course laid out and released")
     try:
         wait_for(lambda: _answers(room.url + "/hub/api/"), "the hub to answer", room)
         room.phase("hub started")
         for learner in LEARNERS:
-            reply = room.api("POST", f"/hub/api/users/{learner}/tokens",
-                             json={"auth": {"username": learner, "password": "any"}, "note": "test_workshop"})
+            reply = login(room, learner, PASSWORDS[learner])
             assert reply.status_code == 201, reply.text
             room.tokens[learner] = reply.json()["token"]
         yield room
     finally:
         room.stop()
+
+
+def login(room: Room, name: str, password: str) -> requests.Response:
+    """The hub's login with a name and password (a token request, as a script logs in)."""
+    return room.api("POST", f"/hub/api/users/{name}/tokens",
+                    json={"auth": {"username": name, "password": password}, "note": "test_workshop"})
 
 
 def _answers(url: str) -> bool:
@@ -324,20 +435,28 @@ def _answers(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def worked(room):
-    """Both learners work in their servers and submit; the instructor collects and autogrades."""
+    """Both learners work in their servers and submit, ada submits twice more as bo; the instructor collects
+    and autogrades."""
     # As in a room, both at once: two servers starting, then two learners running 00 side by side.
     with ThreadPoolExecutor(len(LEARNERS)) as pool:
         servers = dict(zip(LEARNERS, pool.map(lambda learner: start_server(room, learner), LEARNERS)))
         room.remember_processes()
+        results = {"servers": {process.pid: (process.uids().real, process.environ().get("JUPYTERHUB_USER"),
+                                             process.cmdline())
+                               for process in room.processes.values() if "jupyterhub.singleuser" in process.cmdline()}}
         room.phase("two servers started")
-        answers = {"ada": ("00.2",), "bo": ()}
-        results = dict(zip(LEARNERS, pool.map(lambda learner: work_on_00(room, learner, servers[learner],
-                                                                          answers[learner]), LEARNERS)))
+        answers = {ADA: ("00.2",), BO: ()}
+        results.update(zip(LEARNERS, pool.map(lambda learner: work_on_00(room, learner, servers[learner],
+                                                                         answers[learner]), LEARNERS)))
     room.phase("ada and bo ran 00 in their servers")
     for learner in LEARNERS:
         submit(room, learner, servers[learner])
+    with ThreadPoolExecutor(2) as pool:  # two nbgrader processes: side by side, as two terminals would
+        list(pool.map(lambda claim: submit_as_someone_else(room, ADA, BO, *claim), ((), (f"--student={BO}",))))
+    results["inbound"] = sorted((path.name.split("+")[0], pwd.getpwuid(path.stat().st_uid).pw_name)
+                                for path in (room.course / "exchange" / layout.COURSE_ID / "inbound").iterdir())
     nbgrader(room.course, "collect", ASSIGNMENT)
-    room.phase("both submitted, instructor collected")
+    room.phase("both submitted, ada twice as bo, instructor collected")
     nbgrader(room.course, "autograde", ASSIGNMENT)
     room.phase("instructor autograded")
     with Gradebook(f"sqlite:///{room.course / 'gradebook.db'}", layout.COURSE_ID) as gradebook:
@@ -361,9 +480,26 @@ def test_each_learner_runs_00_in_their_own_copy_in_the_project_environment(room,
         assert all(cell.execution_count for cell in ran), f"{learner}: not every code cell ran"
 
 
+def test_each_server_and_kernel_runs_as_its_learner_never_root(worked):
+    uids = {learner: pwd.getpwnam(learner).pw_uid for learner in LEARNERS}
+    servers = sorted(worked["servers"].values())
+    assert [(uid, user) for uid, user, _ in servers] == sorted((uid, name) for name, uid in uids.items()), servers
+    assert not [command for _, _, command in servers if "--allow-root" in command]
+    assert {learner: worked[learner]["probe"]["uid"] for learner in LEARNERS} == uids
+
+
+def test_a_learner_s_kernel_reads_nothing_that_is_not_theirs_and_cannot_write_labkit(worked):
+    for learner in LEARNERS:
+        probe = worked[learner]["probe"]
+        assert probe["reads"] == dict.fromkeys(probe["reads"], "denied"), f"{learner} could read: {probe['reads']}"
+        assert probe["writes"] == dict.fromkeys(probe["writes"], "denied"), f"{learner} could write: {probe['writes']}"
+        home = Path(pwd.getpwnam(learner).pw_dir)
+        assert (home.stat().st_mode & 0o777, home.stat().st_uid) == (0o700, pwd.getpwnam(learner).pw_uid)
+
+
 def test_the_copy_was_the_release_and_a_learner_s_earlier_work_was_kept(room, worked):
     released = nbformat.read(room.course / "release" / ASSIGNMENT / NOTEBOOK.name, 4)
-    bo = nbformat.read(room.room / "learners" / "bo" / ASSIGNMENT / NOTEBOOK.name, 4)
+    bo = nbformat.read(room.room / "learners" / BO / ASSIGNMENT / NOTEBOOK.name, 4)
     assert [cell.source for cell in bo.cells] == [cell.source for cell in released.cells]
     ada = nbformat.read(room.earlier_work, 4)
     solutions = student.find_exercises(nbformat.read(NOTEBOOK, 4), NOTEBOOK.name)
@@ -371,11 +507,30 @@ def test_the_copy_was_the_release_and_a_learner_s_earlier_work_was_kept(room, wo
     for exercise in ("00.1", "00.2"):  # 00.1 from her earlier session (the hook kept it), 00.2 typed today
         assert solutions[exercise].solution.split(student.BEGIN_SOLUTION)[1].split(student.END_SOLUTION)[0].strip() \
             in answers[exercise], f"ada's answer to {exercise} is not in her notebook"
+    owners = {pwd.getpwuid(path.stat().st_uid).pw_name for path in (room.room / "learners" / BO).rglob("*")}
+    assert owners == {BO}, f"bo's copy of the release is owned by {owners}"
+
+
+def test_a_submission_counts_for_the_learner_who_wrote_it(worked):
+    # In the exchange: ada's and bo's own submissions, ada's with JUPYTERHUB_USER=bo filed under her own name
+    # (nbgrader takes the account), and ada's --student=bo under bo's name but owned by her, which the
+    # instructor's collect then files as hers (bo's score below is his own untouched release's).
+    assert worked["inbound"] == sorted([(ADA, ADA), (BO, BO), (ADA, ADA), (BO, ADA)]), worked["inbound"]
 
 
 def test_the_instructor_collects_and_autogrades_both_learners(worked):
     print(f"points per learner: {worked['scores']}")
-    assert worked["scores"] == {"ada": {"00_start_here": (2.0, 2.0)}, "bo": {"00_start_here": (0.0, 2.0)}}
+    assert worked["scores"] == {ADA: {"00_start_here": (2.0, 2.0)}, BO: {"00_start_here": (0.0, 2.0)}}
+
+
+def test_only_a_learner_with_their_own_password_logs_in_and_guessing_locks_the_name(room, worked):
+    assert login(room, ADA, PASSWORDS[BO]).status_code == 403, "ada's name with bo's password was admitted"
+    for name in ("eve", "root", "nobody"):  # no account; root; an account that is not a learner of the room
+        assert login(room, name, PASSWORDS[ADA]).status_code == 403, f"{name} was admitted"
+    for _ in range(5):
+        assert login(room, BO, "not bo's password").status_code == 403
+    assert login(room, BO, PASSWORDS[BO]).status_code == 403, "bo's name was not locked after 5 wrong passwords"
+    assert room.api("GET", "/hub/login").status_code == 200, "the login page does not render"
 
 
 def test_ctrl_c_stops_the_hub_and_everything_it_started(room, worked):
@@ -387,20 +542,3 @@ def test_ctrl_c_stops_the_hub_and_everything_it_started(room, worked):
     print(f"workshop test wall time: {time.monotonic() - room.started:.1f} s at load {os.getloadavg()[0]:.1f}, "
           f"CPU {cpu.user + cpu.system + cpu.children_user + cpu.children_system:.0f} s (pytest and what it waited "
           f"for); phases (s): {room.phases}")
-
-
-def test_the_shipped_login_admits_the_room_password_and_the_listed_names_only(room, tmp_path):
-    """The configuration as shipped, authenticator included (shared-password): no dummy login."""
-    hub = start_hub(room.course, tmp_path / "room", ("ada",), [], {"GRADIENTLAB_ROOM_PASSWORD": "correct horse"},
-                    time.monotonic())
-    try:
-        wait_for(lambda: _answers(hub.url + "/hub/api/"), "the shipped hub to answer", hub)
-
-        def login(name: str, password: str) -> int:
-            return hub.api("POST", f"/hub/api/users/{name}/tokens",
-                           json={"auth": {"username": name, "password": password}}).status_code
-        assert (login("ada", "correct horse"), login("ada", "wrong horse"), login("eve", "correct horse")) == \
-            (201, 403, 403)
-        assert "DummyAuthenticator" not in hub.log.read_text()
-    finally:
-        assert hub.stop() == [], f"still running after SIGINT: {hub.stopped}"

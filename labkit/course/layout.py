@@ -43,6 +43,8 @@ CELL_TIMEOUT_S = 6 * SLOWEST_CELL_S
 STUDENT_WORK = ("submitted", "autograded", "feedback")
 # Written into every course this module lays out, so a rerun recognises its own folder.
 MARKER = ".labkit-course"
+# nbgrader's collect for a room of accounts (labkit/course/exchange.py), named in the course's config.
+OWNERS_COLLECT = "labkit.course.exchange.OwnersCollect"
 NBGRADER_TIMEOUT_S = 300
 
 CONFIG = '''\
@@ -64,6 +66,9 @@ c.Execute.timeout = {timeout}
 # Release, fetch, submit and collect through an exchange folder beside the course; on a shared hub
 # point every user's configuration at one folder all of them can write to.
 c.Exchange.root = str(here / "exchange")
+# Collect each submission as the account's that wrote it: on the workshop hub every learner is an account,
+# and nbgrader alone would file a folder under whichever learner's name it claims.
+c.ExchangeFactory.collect = "{collect}"
 # Autograde scores labkit's exercises from outside the learner's kernel: after executing a notebook,
 # each exercise cell is graded again in a process of its own and its check cell gets that verdict
 # (labkit/course/isolated_autograde.py), so an answer cell that patches the grader scores nothing.
@@ -118,7 +123,8 @@ def _write_course(root: Path, assignment: str, notebooks: dict[str, nbformat.Not
     (root / MARKER).write_text("laid out by python -m labkit course create\n")
     if not (root / "nbgrader_config.py").exists():
         (root / "nbgrader_config.py").write_text(CONFIG.format(
-            course_id=COURSE_ID, kernel=KERNEL_NAME, slowest=SLOWEST_CELL_S, timeout=CELL_TIMEOUT_S))
+            course_id=COURSE_ID, kernel=KERNEL_NAME, slowest=SLOWEST_CELL_S, timeout=CELL_TIMEOUT_S,
+            collect=OWNERS_COLLECT))
     _write_kernel(root / "kernels" / KERNEL_NAME)
     # The new source is complete before the old one goes, so a failure leaves one of them whole.
     (root / "source").mkdir(exist_ok=True)

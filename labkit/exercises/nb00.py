@@ -45,11 +45,16 @@ def check_one_training_step(one_training_step: Callable) -> str:
     clean_params, clean_losses = _sgd_reference(start, leftover, batches, keep_old_grads=False)
     piled_params, _ = _sgd_reference(start, leftover, batches, keep_old_grads=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    grads_at_step: list[bool] = []  # per optimizer.step() call: did any parameter hold a gradient then?
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads_at_step.append(any(_holds_gradient(p) for p in model.parameters()))
+    )
     for step, (x, y) in enumerate(batches, start=1):
+        grads_at_step.clear()
         loss = one_training_step(model, optimizer, x, y)
         _require_loss(loss, clean_losses[step - 1], step)
         params = [parameter.detach() for parameter in model.parameters()]
-        _require_step(params, start, clean_params[step - 1], piled_params[step - 1], step)
+        _require_step(params, start, clean_params[step - 1], piled_params[step - 1], step, grads_at_step)
     return f"{STEPS} steps match SGD on fresh gradients to {TOLERANCE:g}, even with an old gradient left in .grad"
 
 
@@ -117,12 +122,10 @@ def _require_step(
     clean: list[torch.Tensor],
     piled: list[torch.Tensor],
     step: int,
+    grads_at_step: list[bool],
 ) -> None:
     if step == 1 and _max_difference(params, start) == 0:
-        raise NotYet(
-            "the parameters did not change after step 1",
-            hint="after loss.backward(), call optimizer.step() to apply the gradient",
-        )
+        _require_stepped_with_a_gradient(grads_at_step)
     if _max_difference(params, clean) <= TOLERANCE:
         return
     if _max_difference(params, piled) <= TOLERANCE:
@@ -133,6 +136,28 @@ def _require_step(
     raise NotYet(
         f"after step {step} the parameters differ {by_how_much(_max_difference(params, clean))} from one SGD step "
         f"on F.mse_loss(model(x), y) with the optimizer you were given"
+    )
+
+
+def _holds_gradient(parameter: torch.Tensor) -> bool:
+    return parameter.grad is not None and bool(parameter.grad.any())
+
+
+def _require_stepped_with_a_gradient(grads_at_step: list[bool]) -> None:
+    """Why the parameters did not move: no step at all, or a step that found .grad already emptied."""
+    if not grads_at_step:
+        raise NotYet(
+            "the parameters did not change after step 1: optimizer.step() was never called",
+            hint="after loss.backward(), call optimizer.step() to apply the gradient",
+        )
+    raise NotYet(
+        "the parameters did not change after step 1: optimizer.step() ran, but .grad was empty by then, so "
+        "something cleared the gradient between loss.backward() and optimizer.step()",
+        hint=(
+            "what does .grad hold at the moment optimizer.step() reads it?",
+            "zero_grad() empties .grad: clearing between backward and step throws this batch's gradient away",
+            "clear .grad before loss.backward(), never between loss.backward() and optimizer.step()",
+        ),
     )
 
 
@@ -162,6 +187,7 @@ def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
     """
     w, inputs = _per_call_fixture()
     w_before = w.detach().clone()
+    left_over = w.grad.clone()
     expected = [torch.autograd.grad(_per_call_loss(w, x), w)[0] for x in inputs]
     grads = grad_of_each_call(w, inputs)
     _require_tensor_list(grads, len(inputs))
@@ -170,6 +196,15 @@ def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
     if len({id(grad) for grad in grads}) < len(grads):
         raise NotYet(
             "your list holds the same tensor more than once: w.grad is one tensor that each backward pass adds into"
+        )
+    if grads[0].shape == left_over.shape and torch.allclose(grads[0].detach(), left_over + expected[0], rtol=0, atol=TOLERANCE):
+        raise NotYet(
+            "gradient 0 also holds the gradient left in w.grad before your call, and each later one the "
+            "gradients of earlier backward passes: backward adds into w.grad, and nothing cleared it",
+            hint=(
+                "what did w.grad hold before your first backward pass?",
+                "clear w.grad before each backward pass (w.grad = None), or use torch.autograd.grad, which leaves .grad alone",
+            ),
         )
     for index, (got, want) in enumerate(zip(grads, expected)):
         _require_gradient(got, want, inputs[index], index)

@@ -52,11 +52,31 @@ def check_entropy_term(entropy_term: Callable) -> str:
     _require_tensor(values, p.shape, "entropy_term(p)")
     if not values.requires_grad:
         raise NotYet("the result carries no gradient: it was computed outside the graph (detach or no_grad?)")
+    not_finite = (~torch.isfinite(values.detach())).nonzero().flatten().tolist()
+    if not_finite:
+        raise NotYet(
+            f"the values are not finite at p = {[p[i].item() for i in not_finite]}: log(0) is -inf, and 0 * -inf "
+            "is NaN, so multiplying by 0 or by a mask afterwards cannot make it 0",
+            hint=(
+                "what is 0 * log(0) in floating point, and can anything done afterwards turn it back into 0?",
+                "choose the value at p == 0 with torch.where rather than computing p * log(p) there",
+            ),
+        )
     _require_close(values.detach(), expected_values, "the values", "p * log(p), and 0 where p == 0")
     (grads,) = torch.autograd.grad(values.sum(), p)
     bad = (~torch.isfinite(grads)).nonzero().flatten().tolist()
     if bad:
         raise NotYet(f"the gradient is not finite at p = {[p[i].item() for i in bad]}")
+    at_zero = p.detach() == 0
+    if torch.allclose(grads[~at_zero], expected_grads[~at_zero], rtol=0, atol=1e-9) and grads[at_zero].any():
+        raise NotYet(
+            f"the gradient at p == 0 is {grads[at_zero][0].item():.3g}, not 0: a clamp or an epsilon keeps the log "
+            "finite, but the log's branch is still differentiated there",
+            hint=(
+                "at p == 0, does your result still depend on p?",
+                "at p == 0 the result must not depend on p at all: select the constant 0 with torch.where",
+            ),
+        )
     _require_close(grads, expected_grads, "the gradient", "log(p) + 1 where p > 0, and 0 where p == 0")
     return f"values and gradients match p*log(p) on {p.numel()} probabilities, finite at p == 0"
 
@@ -71,7 +91,7 @@ def _require_tensor(result: object, shape: torch.Size, what: str) -> None:
 def _require_close(got: torch.Tensor, want: torch.Tensor, what: str, should_be: str) -> None:
     difference = (got.to(torch.float64) - want).abs().nan_to_num(nan=float("inf")).max().item()
     if not difference <= 1e-9:
-        raise NotYet(f"{what} differ by up to {difference:.3g} from {should_be}")
+        raise NotYet(f"{what} {'differ' if what.endswith('s') else 'differs'} by up to {difference:.3g} from {should_be}")
 
 
 # --------------------------------------------------------------------- 01.2
@@ -148,6 +168,13 @@ def check_unreachable_parameters(unreachable_parameters: Callable) -> str:
                          hint="walk output.grad_fn and next_functions; never call backward")  # fmt: skip
         if not isinstance(got, list) or not all(isinstance(item, str) for item in got):
             raise NotYet(f"return a list of parameter names (str), not {type(got).__name__}")
+        frozen = [n for n, p in model.named_parameters() if n in got and not p.requires_grad]
+        if frozen:
+            raise NotYet(
+                f"on the {name} model you report {frozen}, which do not require grad: a frozen parameter gets no "
+                "gradient by choice, and the question is which trainable ones the loss cannot reach",
+                hint="leave out the parameters whose requires_grad is False",
+            )
         if got != expected:
             raise NotYet(f"on the {name} model you report {got}, but the unreachable parameters are {expected}")
     return "the right parameters on a detached model, a two-head model with a shared weight and a frozen/unused one"

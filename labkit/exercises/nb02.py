@@ -30,6 +30,8 @@ STEPS = 3
 FEATURES, OUTPUTS, ROWS = 4, 2, 16
 # clip_grad_norm_ divides by (total_norm + 1e-6); the reference does the same.
 CLIP_EPSILON = 1e-6
+# A norm taken after clipping is max_norm * norm / (norm + CLIP_EPSILON): max_norm to about 1e-5.
+CLIPPED_NORM_TOLERANCE = 1e-4
 
 # 02.2: (rows, micro_batch) splits: ragged, ragged with a short tail, equal, and one piece.
 SPLITS = ((30, 8), (10, 4), (32, 8), (7, 16))
@@ -116,12 +118,25 @@ def _require_norm(reported: object, expected: float, stale_norm: float, step: in
         )
     if abs(reported - expected) <= TOLERANCE * expected:
         return
+    if abs(reported - MAX_NORM) <= CLIPPED_NORM_TOLERANCE * MAX_NORM:
+        raise NotYet(
+            f"step {step} reported {reported:.4g}, which is max_norm itself: the norm of the gradient after "
+            f"clipping, not the norm of this batch's gradient ({expected:.4g}) that clipping scaled down",
+            hint=(
+                "which norm tells you how far the gradient was from the limit: the one before or after clipping?",
+                "clip_grad_norm_ measures the total norm, scales .grad down and returns what it measured; a norm "
+                "taken afterwards is max_norm every time",
+            ),
+        )
     if abs(reported - stale_norm) <= TOLERANCE * stale_norm:
         raise NotYet(
             f"step {step} reported the norm of this batch's gradient plus an old one left in .grad",
             hint="call optimizer.zero_grad() before loss.backward(), so .grad holds only this batch's gradient",
         )
-    raise NotYet(f"step {step} reported a norm of {reported:.4g}, but this batch's gradient norm is {expected:.4g}")
+    raise NotYet(
+        f"step {step} reported a norm of {reported:.4g}, but this batch's gradient norm is {expected:.4g}",
+        hint="report the total norm of all the parameters' gradients together, before clipping, as clip_grad_norm_ returns it",
+    )
 
 
 def _require_clipped_update(
@@ -145,7 +160,8 @@ def _require_clipped_update(
         )
     raise NotYet(
         f"after step {step} the weights differ {by_how_much(_max_difference(after, clipped))} from one SGD step "
-        f"on this batch's gradient clipped to max_norm"
+        f"on this batch's gradient clipped to max_norm",
+        hint="max_norm limits the norm of all the gradients together: scale every parameter's gradient by one factor",
     )
 
 
@@ -224,6 +240,28 @@ def _require_full_batch_gradient(
         )
     if _max_difference(grads, unscaled) <= TOLERANCE:
         raise NotYet(f"the gradient is the sum of the {pieces} micro-batch means, not the mean over all {len(y)} rows")
+    last_rows = len(y.split(micro_batch)[-1])
+    last_only = _last_piece_gradient(model, x, y, micro_batch)
+    for weight in (last_rows / len(y), 1.0, 1 / pieces, last_rows / micro_batch):
+        if _max_difference(grads, [weight * g for g in last_only]) <= TOLERANCE:
+            raise NotYet(
+                f"only the last micro-batch's gradient is left in .grad: something cleared .grad between the "
+                f"{pieces} backward passes",
+                hint=(
+                    "what happens to .grad between one micro-batch's backward and the next?",
+                    "accumulation needs .grad to keep every micro-batch's gradient: never clear it inside the loop",
+                ),
+            )
+    ratio = _ratio_to(grads, list(expected))
+    if ratio is not None:
+        raise NotYet(
+            f"with {len(y)} rows in micro-batches of {micro_batch}, .grad is {ratio:.4g} times the full-batch "
+            "gradient: every row counts, but divided by the wrong number",
+            hint=(
+                "which number does the full-batch mean divide the summed per-row losses by?",
+                "the full-batch mean divides the summed per-row losses by len(y), the rows of the whole batch",
+            ),
+        )
     raise NotYet(
         f"with {len(y)} rows in micro-batches of {micro_batch}, .grad differs by "
         f"{_max_difference(grads, list(expected)):.2g} from the gradient of F.cross_entropy(model(x), y)"
@@ -240,6 +278,19 @@ def _weighted_gradient(
         for x_piece, y_piece in zip(x.split(micro_batch), y.split(micro_batch))
     )
     return list(torch.autograd.grad(total, params))
+
+
+def _last_piece_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
+    """The gradient of the last micro-batch's mean loss alone: what is left when .grad is cleared in the loop."""
+    loss = F.cross_entropy(model(x.split(micro_batch)[-1]), y.split(micro_batch)[-1])
+    return list(torch.autograd.grad(loss, list(model.parameters())))
+
+
+def _ratio_to(grads: list[torch.Tensor], expected: list[torch.Tensor]) -> float | None:
+    """The factor c with grads == c * expected, if there is one (a sum divided by the wrong count)."""
+    flat_got, flat_want = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in expected])
+    ratio = (flat_got @ flat_want / (flat_want @ flat_want)).item()
+    return ratio if torch.allclose(flat_got, ratio * flat_want, rtol=0, atol=TOLERANCE) else None
 
 
 def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.exercises import NotYet, TorchCalls, exercise, torch_error_clause
+from labkit.exercises import Hint, NotYet, TorchCalls, exercise, torch_error_clause
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -61,10 +61,32 @@ def _require_matches_layer_norm(layer_norm_rows: Callable, rows: torch.Tensor, u
         raise NotYet(f"on {label} with eps={eps:g} the output holds NaN or inf (a constant row has variance 0)")
     if not torch.allclose(out, reference, rtol=0, atol=TOLERANCE):
         gap = (out - reference).abs().max().item()
-        raise NotYet(f"on {label} with eps={eps:g} the output differs from F.layer_norm by up to {gap:.2g}")
+        mistake, hint = _which_normalisation(out.detach(), rows, eps)
+        raise NotYet(f"on {label} with eps={eps:g} the output differs from F.layer_norm by up to {gap:.2g}{mistake}",
+                     hint=hint)
     if not torch.allclose(grad, expected, rtol=0, atol=1e-6):
         gap = (grad - expected).abs().max().item()
         raise NotYet(f"on {label} with eps={eps:g} the gradient differs from F.layer_norm's by up to {gap:.2g}")
+
+
+def _which_normalisation(out: torch.Tensor, rows: torch.Tensor, eps: float) -> tuple[str, Hint | None]:
+    """(the mistake, its hint) when the output matches a likely wrong normalisation, else ("", None)."""
+    centred = rows - rows.mean(-1, keepdim=True)
+    candidates = [
+        (": it matches the normalisation without eps, so eps never reached the variance",
+         ("where in the normalisation does eps belong, and does your division see it?",
+          "LayerNorm divides by sqrt(variance + eps): eps goes inside the square root"),
+         centred / centred.pow(2).mean(-1, keepdim=True).sqrt()),
+        (": it divides by the unbiased variance (n - 1 in the denominator), where LayerNorm uses the mean of the "
+         "squared deviations",
+         ("which variance does LayerNorm use: divided by n, or by n - 1?",
+          "LayerNorm's variance is the plain mean of the squared deviations (unbiased=False)"),
+         centred / (rows.var(-1, keepdim=True) + eps).sqrt()),
+    ]  # fmt: skip
+    for mistake, hint, wrong in candidates:
+        if torch.isfinite(wrong).all() and torch.allclose(out, wrong, rtol=0, atol=TOLERANCE):
+            return mistake, hint
+    return "", None
 
 
 def _output_and_gradient(layer_norm_rows: Callable, rows: torch.Tensor, upstream: torch.Tensor,
@@ -165,6 +187,10 @@ def _require_gradient_shapes(backward: Callable, a: torch.Tensor, b: torch.Tenso
             raise NotYet(f"{name} has shape {shape}, but it must be shaped like a {tuple(a.shape)}")
 
 
+def _same(got: object, want: torch.Tensor) -> bool:
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
 def _which_side_is_wrong(backward: Callable, a: torch.Tensor, b: torch.Tensor) -> str:
     grad_output = torch.linspace(0.5, 1.5, len(a), dtype=a.dtype)
     difference = (a - b).detach()
@@ -172,6 +198,11 @@ def _which_side_is_wrong(backward: Callable, a: torch.Tensor, b: torch.Tensor) -
     grad_a, grad_b = backward(grad_output, a.detach(), b.detach())
     wrong = [name for name, got, want in (("dL/da", grad_a, expected_a), ("dL/db", grad_b, -expected_a))
              if not torch.allclose(got, want, rtol=1e-9, atol=1e-12)]
+    unweighted = difference / difference.norm(dim=1, keepdim=True)
+    if "dL/da" in wrong and _same(grad_a, unweighted):
+        return "dL/da is dd/da alone: the chain rule multiplies it by grad_output, row by row"
+    if "dL/da" in wrong and _same(grad_a, grad_output[:, None] * difference / difference.pow(2).sum(1, keepdim=True)):
+        return "dL/da divides by the squared distance; the derivative of ||a - b|| divides by the distance itself"
     if not wrong:
         return "the gradients disagree with finite differences"
     return f"{' and '.join(wrong)} {'differ' if len(wrong) > 1 else 'differs'} from the true derivative"

@@ -144,6 +144,14 @@ def _which_part_differs(got: torch.Tensor, expected: torch.Tensor, gru: nn.GRU, 
     over_padded_length = expected * lengths[:, None].double() / padded.shape[1]
     if torch.allclose(got, over_padded_length, rtol=1e-9, atol=1e-12):
         return f"{which} are divided by the padded length {padded.shape[1]}, not by each sequence's own length"
+    alone = [gru(padded[i, : int(n)][None])[0][0] for i, n in enumerate(lengths)]
+    final_states = torch.stack([torch.cat([out[-1, :hidden], out[0, hidden:]]) for out in alone])
+    if torch.allclose(got, final_states, rtol=1e-9, atol=1e-12):
+        return f"{which} are each direction's final hidden state, not the mean of the outputs over the real steps"
+    with_padding = gru(padded)[0].sum(1) / lengths[:, None].double()
+    if torch.allclose(got, with_padding, rtol=1e-9, atol=1e-12):
+        return (f"{which} include the outputs at the padding positions: the GRU ran over the padding, and those "
+                "steps were summed in too")
     return f"{which} differ from what each sequence gives when run alone"
 
 

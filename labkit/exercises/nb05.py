@@ -12,13 +12,14 @@ shifted far from the statistics the layers hold, because that is when the bugs b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import Hint, NotYet, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -193,7 +194,8 @@ def check_recalibrate_batchnorm(recalibrate_batchnorm: Callable) -> str:
     model, new_data = _recalibration_fixture()
     parameters = [p.detach().clone() for p in model.parameters()]
     momenta = [layer.momentum for _, layer in _batchnorm_layers(model)]
-    recalibrate_batchnorm(model, new_data, BATCH)
+    with _watching_training_forwards(model) as forwards:
+        recalibrate_batchnorm(model, new_data, BATCH)
     if any(module.training for module in model.modules()):
         raise NotYet("the model is not back in eval mode afterwards", hint="finish with model.eval()")
     if not all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), parameters)):
@@ -206,24 +208,63 @@ def check_recalibrate_batchnorm(recalibrate_batchnorm: Callable) -> str:
         raise NotYet(f"the layers' momentum is {after} afterwards, but was {momenta}",
                      hint="remember each momentum before setting it to None, and put it back at the end")
     for (name, layer), inputs in zip(_batchnorm_layers(model), _eval_inputs(model, new_data)):
-        _require_statistics_of(name, layer, inputs)
+        _require_statistics_of(name, layer, inputs, forwards.get(name, []))
     return (
         f"both BatchNorm layers hold the statistics of the new data (within {MEAN_TOLERANCE:g} std), "
         "with parameters, gradients and momenta untouched and the model in eval mode"
     )
 
 
-def _require_statistics_of(name: str, layer: nn.Module, inputs: torch.Tensor) -> None:
+@contextmanager
+def _watching_training_forwards(model: nn.Module) -> Iterator[dict[str, list[tuple[float | None, int]]]]:
+    """Per BatchNorm layer, (momentum, num_batches_tracked) at each forward pass it ran in training mode."""
+    forwards: dict[str, list[tuple[float | None, int]]] = {}
+
+    def watch(name: str) -> Callable:
+        def record(layer: nn.Module, args: tuple) -> None:
+            if layer.training:
+                forwards.setdefault(name, []).append((layer.momentum, int(layer.num_batches_tracked)))
+        return record
+
+    handles = [layer.register_forward_pre_hook(watch(name)) for name, layer in _batchnorm_layers(model)]
+    try:
+        yield forwards
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _require_statistics_of(
+    name: str, layer: nn.Module, inputs: torch.Tensor, forwards: list[tuple[float | None, int]]
+) -> None:
     true_mean, true_var = inputs.mean(0), inputs.var(0)
     mean_error = ((layer.running_mean - true_mean).abs() / true_var.sqrt()).max().item()
     if not mean_error <= MEAN_TOLERANCE:
-        raise NotYet(
-            f"the running mean of '{name}' is {mean_error:.2f} std away from the mean of the new data; an "
-            "exponential average over a few batches still remembers the old statistics"
-        )
+        reason, hint = _why_statistics_are_stale(forwards)
+        raise NotYet(f"the running mean of '{name}' is {mean_error:.2f} std away from the mean of the new data: {reason}",
+                     hint=hint)
     ratio = layer.running_var / true_var
     low, high = ratio.min().item(), ratio.max().item()
     if not (VARIANCE_RATIO[0] <= low and high <= VARIANCE_RATIO[1]):
         raise NotYet(
             f"the running variance of '{name}' is {low:.2f}x to {high:.2f}x the variance of the new data"
         )
+
+
+def _why_statistics_are_stale(forwards: list[tuple[float | None, int]]) -> tuple[str, Hint | None]:
+    """Name the mistake, and its hint, from what the layer was set to during the learner's forward passes."""
+    if not forwards:
+        return "the layer never ran a forward pass in training mode, so its statistics were never updated", None
+    momentum, counted = forwards[0]
+    if momentum is None and counted > 0:
+        return (
+            "the statistics it held before were never reset: with momentum=None BatchNorm averages over every "
+            f"batch it has counted, and num_batches_tracked was already {counted} at your first batch, so the old "
+            "statistics are averaged in with the new ones",
+            (
+                "what did the layer hold before your first batch, and does your average still count it?",
+                "with momentum=None the average runs over num_batches_tracked batches; reset_running_stats() "
+                "empties the statistics and that count",
+            ),
+        )
+    return "an exponential average over a few batches still remembers the old statistics", None

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import Hint, NotYet, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -69,7 +69,7 @@ def check_adamw_update(adamw_update: Callable) -> str:
         _require_updated_in_place({"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, before, step)
         _require_close(exp_avg, state["exp_avg"], f"exp_avg after step {step}", _moment_hint(exp_avg, before, grad))
         _require_close(exp_avg_sq, state["exp_avg_sq"], f"exp_avg_sq after step {step}")
-        _require_close(param, reference.detach(), f"the parameter after step {step}")
+        _require_close(param, reference.detach(), f"the parameter after step {step}", *_step_mistake(param, before, grad, step))
     return (
         f"{STEPS} steps match torch.optim.AdamW to {TOLERANCE:g}, parameter and both moments, including a weight "
         "whose gradient is zero"
@@ -119,11 +119,38 @@ def _moment_hint(exp_avg: object, before: dict, grad: torch.Tensor) -> str | Non
     return "exp_avg is the running mean of the gradients: beta1 * exp_avg + (1 - beta1) * grad"
 
 
+def _step_mistake(param: object, before: dict, grad: torch.Tensor, step: int) -> tuple[Hint | None, str]:
+    """(hint, the mistake in words) when the parameter matches a likely wrong AdamW step, else (None, "")."""
+    beta1, beta2 = BETAS
+    exp_avg = beta1 * before["exp_avg"] + (1 - beta1) * grad
+    exp_avg_sq = beta2 * before["exp_avg_sq"] + (1 - beta2) * grad * grad
+    update = LEARNING_RATE * (exp_avg / (1 - beta1**step)) / ((exp_avg_sq / (1 - beta2**step)).sqrt() + EPS)
+    start = before["param"]
+    mistakes = [
+        ("the decay shrank the parameter after the Adam update instead of before it",
+         ("which parameter does AdamW's decay shrink: the one before the step, or the one after the update?",
+          "AdamW decays the parameter as it was before the step: decay first, then subtract the update"),
+         (start - update) * (1 - LEARNING_RATE * WEIGHT_DECAY)),
+        ("the update has no bias correction",
+         ("the moments start at zero: what does that do to them in the first steps?",
+          "early on both moments are biased toward their zero start: divide them by (1 - beta ** step)"),
+         start * (1 - LEARNING_RATE * WEIGHT_DECAY) - LEARNING_RATE * exp_avg / (exp_avg_sq.sqrt() + EPS)),
+        ("the decay was not multiplied by the learning rate",
+         ("how far does one AdamW step shrink a weight whose gradient is zero?",
+          "AdamW shrinks the parameter by the factor (1 - lr * weight_decay)"),
+         start * (1 - WEIGHT_DECAY) - update),
+    ]  # fmt: skip
+    for mistake, hint, wrong in mistakes:
+        if isinstance(param, torch.Tensor) and param.shape == wrong.shape and _difference(param, wrong) <= TOLERANCE:
+            return hint, f": {mistake}"
+    return None, ""
+
+
 def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs() / want.abs().clamp_min(1.0)).max().item()
 
 
-def _require_close(got: object, want: torch.Tensor, what: str, hint: str | None = None) -> None:
+def _require_close(got: object, want: torch.Tensor, what: str, hint: Hint | None = None, mistake: str = "") -> None:
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         raise NotYet(f"{what} is not a tensor of shape {tuple(want.shape)}: update the tensors you were given in place")
     became_nan = int((got.isnan() & ~want.isnan()).sum())
@@ -137,7 +164,7 @@ def _require_close(got: object, want: torch.Tensor, what: str, hint: str | None 
         )
     difference = _difference(got, want)
     if not difference <= TOLERANCE:
-        raise NotYet(f"{what} differs from torch.optim.AdamW's by {difference:.2g}", hint=hint)
+        raise NotYet(f"{what} differs from torch.optim.AdamW's by {difference:.2g}{mistake}", hint=hint)
 
 
 @exercise(

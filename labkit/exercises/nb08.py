@@ -43,12 +43,14 @@ def check_record_grad_norms(record_grad_norms: Callable) -> str:
     """After k micro-batch backward passes the dict must hold every parameter's .grad norm; removing
     the handles must stop the recording."""
     model, batches = _accumulation_fixture()
+    parameter_norms = {name: p.detach().norm().item() for name, p in model.named_parameters()}
+    last_pass_norms, before_last_norms = _pass_gradient_norms(model, batches)
     result = record_grad_norms(model)
     norms, handles = _unpack(result)
     for x, y in batches:
         nn.functional.mse_loss(model(x), y).backward()
     expected = {name: p.grad.norm().item() for name, p in model.named_parameters()}
-    _require_norms(norms, expected)
+    _require_norms(norms, expected, parameter_norms, last_pass_norms, before_last_norms)
     for handle in handles:
         handle.remove()
     frozen = dict(norms)
@@ -83,19 +85,70 @@ def _unpack(result: object) -> tuple[dict, list]:
     return norms, list(handles)
 
 
-def _require_norms(norms: dict, expected: dict[str, float]) -> None:
+def _pass_gradient_norms(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per parameter, the norm of the last pass's gradient alone and of the sum of the passes before it:
+    what a hook sees that reads the pass's gradient, or .grad before the last pass is added in."""
+    names, params = zip(*model.named_parameters())
+    per_pass = [torch.autograd.grad(nn.functional.mse_loss(model(x), y), params) for x, y in batches]
+    last = {name: grad.norm().item() for name, grad in zip(names, per_pass[-1])}
+    before_last = {name: sum(grads[i] for grads in per_pass[:-1]).norm().item() for i, name in enumerate(names)}
+    return last, before_last
+
+
+def _require_norms(
+    norms: dict,
+    expected: dict[str, float],
+    parameter_norms: dict[str, float],
+    last_pass_norms: dict[str, float],
+    before_last_norms: dict[str, float],
+) -> None:
     missing = sorted(set(expected) - set(norms))
+    if missing and len(norms) == 1 and set(norms) <= set(expected):
+        raise NotYet(
+            f"every hook stored its norm under one key, {next(iter(norms))!r}: the hooks' function reads the loop "
+            "variable when it runs, after the loop has ended, so each one sees the last name",
+            hint=(
+                "when does your hook look up the name it stores under: when it is defined, or when it runs?",
+                "a function defined in a loop sees the loop variable's last value; bind the current name when you "
+                "define the hook (a default argument, functools.partial or a function that returns the hook)",
+            ),
+        )
     if missing:
         raise NotYet(f"no norm was recorded for {missing}; key the dict by the names from model.named_parameters()")
     for name, want in expected.items():
         got = norms[name]
         if not isinstance(got, float):
             raise NotYet(f"the value stored for '{name}' is a {type(got).__name__}; store a float (use .item())")
-        if abs(got - want) > TOLERANCE * max(1.0, want):
+        if _close(got, want):
+            continue
+        if _close(got, parameter_norms[name]):
             raise NotYet(
-                f"after {MICRO_BATCHES} micro-batches '{name}' was recorded as {got:.6g}, but its accumulated .grad "
-                f"has norm {want:.6g}: the hook saw only one backward pass's gradient"
+                f"'{name}' was recorded as {got:.6g}, the norm of the parameter itself, not of its gradient "
+                f"({want:.6g})",
+                hint="the hook receives the parameter; its gradient, accumulated, is in parameter.grad",
             )
+        if _close(got, last_pass_norms[name]):
+            raise NotYet(
+                f"after {MICRO_BATCHES} micro-batches '{name}' was recorded as {got:.6g}, the norm of the last "
+                f"pass's gradient alone, but its accumulated .grad has norm {want:.6g}: the hook saw only one "
+                "backward pass's gradient"
+            )
+        if _close(got, before_last_norms[name]):
+            raise NotYet(
+                f"after {MICRO_BATCHES} micro-batches '{name}' was recorded as {got:.6g}, the norm of .grad before "
+                f"the last pass was added into it ({want:.6g} after): the hook ran before accumulation, so it read "
+                ".grad one backward pass too early",
+            )
+        raise NotYet(
+            f"after {MICRO_BATCHES} micro-batches '{name}' was recorded as {got:.6g}, but its accumulated .grad "
+            f"has norm {want:.6g}"
+        )
+
+
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= TOLERANCE * max(1.0, want)
 
 
 @exercise(

@@ -61,7 +61,14 @@ def _which_block(got: torch.Tensor, x: torch.Tensor, norm: nn.Module, sublayer: 
         "the skip path carries norm(x), not x: norm(x) + sublayer(norm(x)) renormalises the input of every "
         "block, so a zero sublayer still changes x": norm(x) + sublayer(norm(x)),
         "the sublayer sees x itself: x + sublayer(x) has no normalisation at all": x + sublayer(x),
-    }
+        "the normalisation is applied to the sublayer's output, x + norm(sublayer(x)): the sublayer's input is "
+        "still unnormalised, and a zero sublayer's branch adds norm(0) (its bias) instead of nothing":
+            x + norm(sublayer(x)),
+        "there is no skip path: sublayer(norm(x)) alone, so the block cannot pass x (or its gradient) through":
+            sublayer(norm(x)),
+        "the normalisation is applied twice, in the branch and to the sum, norm(x + sublayer(norm(x))), so even a "
+        "zero sublayer changes x": norm(x + sublayer(norm(x))),
+    }  # fmt: skip
     for problem, wrong in candidates.items():
         if (got - wrong).abs().max().item() <= TOLERANCE:
             return problem

@@ -47,12 +47,14 @@ def check_amp_step(amp_step: Callable) -> str:
     batches = _amp_batches()
     model, optimizer, scaler = _amp_fixture()
     reference, ref_optimizer, ref_scaler = _amp_fixture()
+    calls = _counting_calls(scaler, ("step", "update"))
     for step, (x, y) in enumerate(batches, start=1):
         before = [p.detach().clone() for p in model.parameters()]
         loss = amp_step(model, optimizer, scaler, x, y)
         expected_loss = _reference_amp_step(reference, ref_optimizer, ref_scaler, x, y)
         _require_float_loss(loss, expected_loss, step)
         _require_same_step(model, reference, before, ref_scaler.get_scale(), step)
+        _require_updated(calls, step)
         _require_same_scale(scaler, ref_scaler, step)
     return (
         f"{len(batches)} steps match autocast + scaler.step + scaler.update, including a skipped step "
@@ -63,7 +65,11 @@ def check_amp_step(amp_step: Callable) -> str:
 def _amp_fixture() -> tuple[nn.Module, torch.optim.Optimizer, GradScaler]:
     torch.manual_seed(0)
     model = nn.Linear(FEATURES, CLASSES)
-    return model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), GradScaler("cpu")
+    scaler = GradScaler("cpu")
+    # A scaler makes its scale at its first scale() call; making it now lets an answer that never scales
+    # the loss run its scaler.step, so the check can say what that step did instead of quoting torch's assertion.
+    scaler.scale(torch.ones(()))
+    return model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), scaler
 
 
 def _amp_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -113,6 +119,19 @@ def _require_same_step(model, reference, before, scale: float, step: int) -> Non
     if expected_move == 0:
         raise NotYet(f"step {step} overflowed in fp16 and must be skipped, but your step changed the parameters",
                      hint="scaler.step(optimizer) skips the optimizer step when the scaled gradients are not finite")
+    if moved == 0:
+        raise NotYet(f"step {step} did not move the parameters, although its gradients were finite",
+                     hint="scaler.step(optimizer) takes the optimizer step (and skips only a non-finite one)")
+    if moved < expected_move / 100:
+        raise NotYet(
+            f"step {step} moved the parameters about {expected_move / moved:.3g} times too little: "
+            "scaler.step divided the gradients by the loss scale, but the loss they came from was never multiplied by it",
+            hint=(
+                "which loss did your backward pass start from, and what does scaler.step assume about it?",
+                "scaler.step unscales: it divides .grad by the scale, so backward must run on the scaled loss, "
+                "scaler.scale(loss)",
+            ),
+        )
     if moved > 100 * expected_move:
         raise NotYet(
             f"step {step} moved the parameters about {moved / expected_move:.3g} times too far: the optimizer stepped "
@@ -123,6 +142,39 @@ def _require_same_step(model, reference, before, scale: float, step: int) -> Non
         "the forward under torch.autocast(x.device.type, dtype=torch.float16) and a GradScaler",
         hint="zero the gradients, run the forward and the loss under autocast, then scale, backward, step, update",
     )
+
+
+def _counting_calls(scaler: GradScaler, methods: tuple[str, ...]) -> dict[str, int]:
+    """Count the answer's calls of the fixture scaler's ``methods`` (instance attributes shadow the class's)."""
+    calls = dict.fromkeys(methods, 0)
+
+    def counted(method: str) -> Callable:
+        original = getattr(scaler, method)
+
+        def call(*args, **kwargs):
+            calls[method] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for method in methods:
+        setattr(scaler, method, counted(method))
+    return calls
+
+
+def _require_updated(calls: dict[str, int], step: int) -> None:
+    """Without an update after scaler.step, the next scaler.step raises torch's "step() has already been
+    called since the last update()", which names the symptom; this names what was left out, before it raises."""
+    if calls["step"] > calls["update"]:
+        raise NotYet(
+            f"after step {step} the scaler had not finished its step: scaler.step ran {calls['step']} time(s) but "
+            f"the scaler was updated {calls['update']} time(s), so the next scaler.step would raise "
+            "'step() has already been called since the last update()'",
+            hint=(
+                "the scaler keeps per-step state that must be closed before the next scaler.step: which call closes it?",
+                "scaler.update() ends every step: it resets the scaler for the next step and adjusts the scale",
+            ),
+        )
 
 
 def _require_same_scale(scaler, reference, step: int) -> None:

@@ -21,6 +21,7 @@ from labkit.exercises import NotYet, exercise
 __all__: list[str] = []
 
 NOTEBOOK = "11_compile_drift"
+SMALL = 1e-3
 
 
 @exercise(
@@ -38,11 +39,12 @@ NOTEBOOK = "11_compile_drift"
     planted="is a match, but grads_match returned False",
 )
 def check_grads_match(grads_match: Callable) -> str:
-    """Rounding-only differences must pass; a wrong subgradient, a 1 % error, a NaN and a wrong shape must not."""
+    """Rounding-only differences must pass, for large and for small gradients; a wrong subgradient, a 1 % error
+    (also among small gradients), a NaN and a wrong shape must not."""
     reference = _float64_gradients()
     rounded = _float32_gradients()
-    for label, grads, expected in _comparison_cases(rounded, reference):
-        answer = grads_match(grads, reference)
+    for label, grads, against, expected in _comparison_cases(rounded, reference):
+        answer = grads_match(grads, against)
         if not isinstance(answer, bool):
             raise NotYet(f"grads_match returned a {type(answer).__name__}, not True or False",
                          hint="return a Python bool, for example with bool(...)")
@@ -82,20 +84,27 @@ def _float32_gradients(slope_at_zero: float = 0.0) -> dict[str, torch.Tensor]:
     return _relu_layer_gradients(x, weight, upstream, slope_at_zero)
 
 
-def _comparison_cases(rounded, reference) -> list[tuple[str, dict, bool]]:
+def _comparison_cases(rounded, reference) -> list[tuple[str, dict, dict, bool]]:
+    """(what is compared, gradients, reference, whether they match)."""
     one_percent = dict(rounded, weight=rounded["weight"] * 1.01)
     with_nan = dict(rounded, bias=rounded["bias"].clone())
     with_nan["bias"][3] = float("nan")
     reshaped = dict(rounded, weight=rounded["weight"].T.contiguous())
     missing = {name: grad for name, grad in rounded.items() if name != "bias"}
+    # The same comparisons on gradients 1000x smaller: no fixed absolute tolerance gets both sizes right.
+    small = {name: grad * SMALL for name, grad in rounded.items()}
+    small_reference = {name: grad * SMALL for name, grad in reference.items()}
+    small_one_percent = dict(small, weight=small["weight"] * 1.01)
     return [
-        ("the same gradients computed in float32 against their float64 reference", rounded, True),
-        ("the float64 reference against itself", reference, True),
-        ("gradients whose relu takes slope 1 at exactly 0 (float64 uses 0)", _float32_gradients(1.0), False),
-        ("a weight gradient 1% too large", one_percent, False),
-        ("a bias gradient holding a NaN", with_nan, False),
-        ("a transposed weight gradient", reshaped, False),
-        ("gradients missing 'bias'", missing, False),
+        ("the same gradients computed in float32 against their float64 reference", rounded, reference, True),
+        ("the float64 reference against itself", reference, reference, True),
+        ("gradients whose relu takes slope 1 at exactly 0 (float64 uses 0)", _float32_gradients(1.0), reference, False),
+        ("a weight gradient 1% too large", one_percent, reference, False),
+        ("a bias gradient holding a NaN", with_nan, reference, False),
+        ("a transposed weight gradient", reshaped, reference, False),
+        ("gradients missing 'bias'", missing, reference, False),
+        ("float32 gradients 1000x smaller, against their float64 reference", small, small_reference, True),
+        ("a weight gradient 1% too large, with every gradient 1000x smaller", small_one_percent, small_reference, False),
     ]
 
 

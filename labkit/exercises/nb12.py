@@ -139,7 +139,10 @@ def check_batch_for_noise(batch_for_noise: Callable) -> str:
     exact = {batch: _enumerated_noise(per_sample, batch) for batch in range(1, rows + 1)}
     # Noise falls with B; a target just above B's noise (and below B - 1's) has the answer B.
     targets = [(exact[batch] / signal + MARGIN, batch) for batch in range(1, rows + 1)]
-    for ratio, expected in reversed(targets):
+    # A target just below B's noise has the answer B + 1: it catches a formula that underestimates the noise
+    # by a factor (N instead of N - 1), which every target just above a batch size's noise lets through.
+    just_below = [(exact[batch] / signal * (1 - BELOW), batch + 1) for batch in range(1, rows)]
+    for ratio, expected in [*reversed(targets), *just_below]:
         got = _as_batch(batch_for_noise(per_sample.clone(), ratio), ratio)
         if got != expected:
             raise NotYet(_diagnose(got, expected, ratio, rows, spread, signal, exact))
@@ -151,6 +154,8 @@ def check_batch_for_noise(batch_for_noise: Callable) -> str:
 
 # Targets sit this far (in units of ||g||^2) above a batch size's exact noise, so rounding cannot flip an answer.
 MARGIN = 1e-9
+# ... and this fraction below one, for the targets that must not be met by it.
+BELOW = 1e-6
 
 
 def _as_batch(value: object, ratio: float) -> int | None:
@@ -177,6 +182,10 @@ def _diagnose(got: int | None, expected: int, ratio: float, rows: int, spread: f
     if got == unsquared:
         return where + (" (that answers the target for the unsquared noise, ||g_B - g|| <= ratio * ||g||: the "
                         "target here compares the squared noise with ratio * ||g||^2)")
+    over_n = next((b for b in range(1, rows + 1) if exact[b] * (rows - 1) / rows <= ratio * signal), None)
+    if got == over_n:
+        return where + (f" (that is the noise with the finite-population factor (N - B) / N; drawing B of {rows} rows "
+                        "without replacement gives (N - B) / (N - 1))")
     return where
 
 

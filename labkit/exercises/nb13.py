@@ -205,6 +205,10 @@ def _miscount(label: str, module: nn.Module, inputs: tuple, result: int, expecte
                 for flag in wrong
             ]
             return f"{said}: your count " + "; it ".join(clauses)
+    element_size = next(module.parameters()).element_size()
+    if result * element_size == expected:
+        return (f"{said}: {result:,} is a count of elements; each {next(module.parameters()).dtype} element "
+                f"takes {element_size} B")
     return f"{said} (each storage once, leaving out the parameters, the buffers and the input)"
 
 

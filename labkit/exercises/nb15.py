@@ -178,10 +178,13 @@ def check_average_gradients(average_gradients: Callable) -> str:
     """On three thread-ranks, one of which skips a layer, every rank must end with the mean gradient."""
     replicas = _replicas_with_local_gradients()
     expected = _mean_gradients(replicas)
+    local = [{name: p.grad.clone() for name, p in replica.named_parameters() if p.grad is not None}
+             for replica in replicas]
     ranks = _LockstepRanks(WORLD_SIZE)
     ranks.run(lambda rank: average_gradients(replicas[rank], ranks.all_reduce_sum_for(rank), WORLD_SIZE))
     for rank, replica in enumerate(replicas):
         for name, parameter in replica.named_parameters():
+            _require_not_local(parameter.grad, local[rank].get(name), name, rank)
             _require_mean(parameter.grad, expected[name], name, rank)
     return (f"on {WORLD_SIZE} ranks, one of which skipped a layer, every rank holds the mean gradient of every "
             "parameter, with the collectives paired up")
@@ -197,6 +200,23 @@ def _mean_gradients(replicas: list[_Branching]) -> dict[str, torch.Tensor]:
             grads.append(parameter.grad if parameter.grad is not None else torch.zeros_like(parameter))
         mean[name] = torch.stack(grads).mean(0)
     return mean
+
+
+def _require_not_local(grad: torch.Tensor | None, local: torch.Tensor | None, name: str, rank: int) -> None:
+    """Name an answer that scaled each rank's own gradient without combining the ranks'."""
+    if grad is None or local is None or grad.shape != local.shape:
+        return
+    if torch.allclose(grad.detach(), local / WORLD_SIZE, rtol=0, atol=TOLERANCE) and not torch.allclose(
+        local, local / WORLD_SIZE, rtol=0, atol=TOLERANCE
+    ):
+        raise NotYet(
+            f"{name}'s gradient on rank {rank} is that rank's own gradient divided by world_size: the ranks' "
+            "gradients were never added together",
+            hint=(
+                "what does one rank know about the other ranks' gradients before a collective runs?",
+                "each rank sees only its own .grad until a collective combines them: pass it to all_reduce_sum first",
+            ),
+        )
 
 
 def _require_mean(grad: torch.Tensor | None, expected: torch.Tensor, name: str, rank: int) -> None:
@@ -277,9 +297,17 @@ def _require_shards(shards: list[list[int]], samples: int, world_size: int, epoc
     covered = {index for shard in shards for index in shard}
     if covered != set(range(samples)):
         missing = sorted(set(range(samples)) - covered)
+        if not missing:
+            raise NotYet(f"the ranks got shard numbers outside range({samples})")
+        read = [index for shard in shards for index in shard]
+        if len(read) == len(set(read)):
+            raise NotYet(
+                f"with {samples} shards on {world_size} ranks in epoch {epoch}, no rank reads shards {missing[:5]}: "
+                f"{samples} shards do not split into {world_size} equal shares, and the ones left over were dropped",
+                hint=f"give every rank {share} shards, padding with repeats rather than dropping the remainder",
+            )
         raise NotYet(f"with {samples} shards on {world_size} ranks in epoch {epoch}, no rank reads shards "
-                     f"{missing[:5]}, while others are read twice: the ranks did not slice one common order"
-                     if missing else f"the ranks got shard numbers outside range({samples})")
+                     f"{missing[:5]}, while others are read twice: the ranks did not slice one common order")
     if lengths[0] > share:
         raise NotYet(f"with {samples} shards on {world_size} ranks, each rank got {lengths[0]} shards, "
                      f"more than the {share} needed: the ranks repeat each other's shards")

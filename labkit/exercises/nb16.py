@@ -99,6 +99,16 @@ def _checked_segments(checkpointed_forward: Callable, blocks: nn.ModuleList, x: 
             f"with segments of {per_segment} blocks, autograd kept {sum(saved):,} B, one input per block, but "
             f"only the {segments} segment inputs ({segments * input_bytes:,} B) need to be kept"
         )
+    if sum(saved) < segments * input_bytes:
+        raise NotYet(
+            f"with segments of {per_segment} blocks, autograd kept {sum(saved):,} B, fewer than the {segments} "
+            f"segment inputs ({segments * input_bytes:,} B): one checkpoint spans more than {per_segment} blocks, "
+            "so backward recomputes and holds all of them at once",
+            hint=(
+                "how many inputs does autograd keep, and how many segments did you ask for?",
+                "checkpoint each run of blocks_per_segment blocks on its own, one checkpoint call per segment",
+            ),
+        )
     return sum(saved)
 
 
