@@ -6,7 +6,9 @@ the GPU and those tests would fail there, so every run goes through `run_on_cpu`
 test that asks for another device. GPU behaviour is the GPU runner's job (`make test-gpu`).
 
 A papermill run costs a kernel start and a torch import (several seconds) before the notebook's own
-work, so one pytest session runs each notebook once per set of parameters: a second `run_on_cpu`
+work. The session's runs therefore share one kernel, reset between runs to what a fresh kernel gives a
+notebook (tests/shared_kernel.py, proved by tests/test_shared_kernel.py), and one pytest session runs
+each notebook once per set of parameters: a second `run_on_cpu`
 with the same notebook file (same bytes), parameters and environment gets a copy of the first
 successful run, its folder copied into the new `out_dir`. Several test files can therefore ask for
 the same run and pay once; `reuse=False` forces a fresh run (a test about running itself).
@@ -40,6 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import nbformat
+from shared_kernel import SESSION_KERNEL
 
 from labkit import _notebook_meta, runner, student
 from labkit.course import exercise_progress
@@ -63,14 +66,15 @@ def cpu_parameters(parameters: dict) -> dict:
 
 
 def run_on_cpu(notebook: Path, out_dir: Path, parameters: dict, timeout: float = 300, reuse: bool = True):
-    """`runner.run_notebook` with the device pinned to the CPU, whatever this machine has; a case
-    that needs a GPU must say `needs-gpu` there. With `reuse`, a run this session already made with
-    the same notebook, parameters and environment is copied into `out_dir` instead of run again."""
+    """A papermill run in the session's shared kernel (tests/shared_kernel.py) with the device pinned to
+    the CPU, whatever this machine has; a case that needs a GPU must say `needs-gpu` there. With `reuse`,
+    a run this session already made with the same notebook, parameters and environment is copied into
+    `out_dir` instead of run again."""
     parameters = cpu_parameters(parameters)
     key = _run_key(Path(notebook), parameters)
     if reuse and key in _FINISHED and _is_new_or_empty(Path(out_dir)):
         return _copy_of(_FINISHED[key], Path(out_dir))
-    result = runner.run_notebook(notebook, out_dir, parameters, timeout=timeout)
+    result = SESSION_KERNEL.run(notebook, out_dir, parameters, timeout=timeout)
     if result.status == "ok":
         measured_anyway = {c["id"]: c["verdict"] for c in result.claims
                            if c["id"] in NEEDS_A_GPU_ON_CPU and c["verdict"] != "needs-gpu"}

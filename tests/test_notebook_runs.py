@@ -58,7 +58,7 @@ def test_every_notebook_test_runs_its_notebook_through_run_on_cpu(test_file):
     assert not {call for call in calls if call.endswith("run_notebook")}, "use run_on_cpu, not run_notebook"
 
 
-def test_a_second_identical_run_is_a_copy_and_reuse_false_or_a_changed_notebook_goes_to_the_runner(
+def test_a_second_identical_run_is_a_copy_and_reuse_false_or_a_changed_notebook_goes_to_the_kernel(
         make_notebook, tmp_path, monkeypatch):
     runs_log = tmp_path / "runs.log"
     notebook = make_notebook("counts_its_runs", 'device = "cpu"\nlog = ""',
@@ -72,15 +72,15 @@ def test_a_second_identical_run_is_a_copy_and_reuse_false_or_a_changed_notebook_
     assert Path(second.output).read_bytes() == Path(first.output).read_bytes()
     assert json.loads((tmp_path / "second" / "counts_its_runs.result.json").read_text())["output"] == second.output
 
-    # Whether run_on_cpu serves a copy or hands the run to the runner is its whole decision, so from here the
-    # runner only records what it is handed: a kernel would prove no more than the real run above did.
+    # Whether run_on_cpu serves a copy or hands the run to the shared kernel is its whole decision, so from here
+    # the kernel's runner only records what it is handed: a run would prove no more than the real run above did.
     handed = []
 
     def recording_runner(notebook, out_dir, parameters, timeout):
         handed.append((Path(notebook), Path(out_dir), parameters, Path(notebook).read_text()))
         return runner.RunResult(Path(notebook).stem, "failed", 0.0, "", parameters, "recorded, not run")
 
-    monkeypatch.setattr(runner, "run_notebook", recording_runner)
+    monkeypatch.setattr(notebook_runs.SESSION_KERNEL, "run", recording_runner)
     fresh = run_on_cpu(notebook, tmp_path / "fresh", parameters, reuse=False)
     notebook.write_text(notebook.read_text().replace("ran", "ran again"))
     changed = run_on_cpu(notebook, tmp_path / "changed", parameters)

@@ -3,9 +3,10 @@
 Every parameters cell is typed and commented so `papermill --help-notebook` shows types and help,
 and the cell after it starts with `repro.check_parameters(globals())`, which refuses what papermill
 injects unchecked (`-p bug false` is the string "false", an unknown name is only a warning). The
-logic is tested in-process on the cells papermill itself injects; four real papermill runs of
-00_start_here (three stop at the check cell, so they cost little more than a kernel start) prove it
-in a kernel.
+logic is tested in-process on the cells papermill itself injects (every refusal in BAD_VALUES); three
+real papermill runs of 00_start_here prove it in a kernel: one refusal through the command line (two bad
+values, both injected as parsed) and one through the Python API (each stops at the check cell, so it
+costs little more than a kernel start), and a typed run that turns the bug off.
 """
 
 from __future__ import annotations
@@ -149,18 +150,20 @@ def _error_outputs(notebook: Path) -> list[tuple[int, dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arguments, message", [
-    (("-p", "bug", "false"), "ParameterError: parameter bug expects a bool"),
-    (("-p", "steps", "-5"), "ParameterError: parameter steps must be at least 1, got -5"),
-])
-def test_plain_papermill_stops_at_the_check_cell_with_one_line(tmp_path, arguments, message):
-    done = _papermill_cli(tmp_path, *arguments)
+def test_plain_papermill_stops_at_the_check_cell_with_one_line(tmp_path):
+    # Two of BAD_VALUES in one run: papermill's command line injects both as parsed (the string "false", the
+    # int -5), and the check refuses the first declared (steps) in one line; the string's refusal takes the
+    # same path, its message tested in-process (BAD_VALUES, bug-false-string).
+    message = "ParameterError: parameter steps must be at least 1, got -5"
+    done = _papermill_cli(tmp_path, "-p", "bug", "false", "-p", "steps", "-5")
     assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
     ((index, error),) = _error_outputs(tmp_path / "out.ipynb")
     nb = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     assert nb.cells[index].source.splitlines()[0] == CHECK_CALL
     assert error.traceback == [f"{error.ename}: {error.evalue}"] and error.traceback[0].startswith(message)
     assert not any(c.get("execution_count") for c in nb.cells[index + 1:] if c.cell_type == "code")
+    [injected] = [c.source for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert 'bug = "false"' in injected.splitlines() and "steps = -5" in injected.splitlines(), injected
 
 
 @pytest.mark.slow

@@ -101,6 +101,11 @@ def test_a_local_cluster_sweep_fails_one_point_and_matches_the_local_runner(make
     assert [r.metrics.get("score") for r in results] == [15, None]
 
     local = runner.sweep(nb, GRID, tmp_path / "local", timeout=300, workers=2)
+    # The runner's own message for a raising cell, from its local run: the notebook, the cell's index and
+    # first line, the exception (tests/test_repro.py ran a notebook of its own for it)
+    assert local[1].status == "failed"
+    assert local[1].error == ("p.ipynb: cell 1 ('if steps == 3 and seed == 5:') raised ValueError: "
+                              "steps=3 with seed=5 is the planted failure"), local[1].error
     runner.write_sweep(runner.sweep_table(local, list(GRID)), tmp_path / "local")
     assert rows_without_timing(tmp_path / "dask") == rows_without_timing(tmp_path / "local")  # labkit and commit too
     assert len(rows_without_timing(tmp_path / "dask")) == 2
