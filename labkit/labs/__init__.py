@@ -1,0 +1,102 @@
+"""Debugging labs: a training run with a defect you have not seen; find the cause, repair it, prove it.
+
+Each notebook's lab trains a small model on data the notebook has not shown, with one defect drawn
+for you from the notebook's family. In a notebook::
+
+    lab = labs.start("02")            # runs the training and prints what you would see
+    lab.model, lab.history, ...       # the run's objects, for your own measurements
+    lab.rerun(begin_step=my_version)  # the same run with a stage of yours, to try an idea
+    labs.check(lab, "a cause from lab.causes", my_version)
+
+Your variant is drawn from who you are (`labkit.labs._draw` says how), so the autograder reruns the
+run you saw. The check reruns the training with your repaired stage and compares it with the same
+training without the defect.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+from labkit.errors import LabkitError
+from labkit.grading import GRADE_MIMETYPE, NBGRADER_EXECUTION
+from labkit.labs._check import check_lab
+from labkit.labs._draw import draw, learner_key
+from labkit.labs._lab import Run
+from labkit.labs._registry import lab_ids, lab_of
+from labkit.records import show_record
+
+__all__ = ["LabSession", "check", "start"]
+
+# Failed checks per lab in this kernel session: each one makes the next hint more explicit.
+_FAILED_TRIES: dict[str, int] = {}
+
+
+class LabSession:
+    """Your run of one lab: its causes, its stages' contracts, the run's objects, and `rerun`."""
+
+    def __init__(self, lab_id: str, key: str) -> None:
+        self.lab = lab_of(lab_id)
+        index, self.seed = draw(lab_id, key, len(self.lab.variants))
+        self._variant = self.lab.variants[index].id
+        self.causes = tuple(cause.name for cause in self.lab.causes)
+        self.stages = dict(self.lab.stages)
+        self.run = self.lab.train(self.lab.stages_of(self.lab.variant(self._variant)), self.seed)
+        for name, value in self.run.objects.items():
+            setattr(self, name, value)
+
+    def rerun(self, **stages: Callable) -> Run:
+        """Your run again with some stages replaced by yours (by stage name); prints what it shows."""
+        unknown = sorted(set(stages) - set(self.stages))
+        if unknown:
+            raise LabkitError(f"{', '.join(unknown)} is not a stage of lab {self.lab.id}: its stages are "
+                              f"{', '.join(self.stages)}")
+        run = self.lab.train({**self.lab.stages_of(self.lab.variant(self._variant)), **stages}, self.seed)
+        self.lab.show(run)
+        return run
+
+    def describe(self) -> None:
+        """Print the causes you may diagnose and the stages you may repair."""
+        print(f"Lab {self.lab.id}: {self.lab.title}")
+        print("Causes you may diagnose:\n" + "\n".join(f"  - {name}" for name in self.causes))
+        print("Stages of the training you may repair (write a function with the stage's name):")
+        print("\n".join(f"  - {name}: {contract}" for name, contract in self.stages.items()))
+
+
+def start(lab_id: str, *, seed: int | None = None, learner: str | None = None) -> LabSession:
+    """Run your variant of lab ``lab_id`` and print what it shows; returns the session to investigate.
+
+    The variant is drawn from ``seed`` or ``learner`` when given, else from your nbgrader student ID
+    or login (the same for you every time).
+    """
+    session = LabSession(lab_id, learner_key(seed, learner))
+    session.lab.show(session.run)
+    session.describe()
+    return session
+
+
+def check(session: LabSession, diagnosis: str, repair: Callable | Mapping[str, Callable] | str) -> None:
+    """Check your diagnosis and repair of your run, print the verdict and record it like an exercise's.
+
+    Under nbgrader's autograde a failed check raises `AssertionError`, as a failed exercise does.
+    """
+    if not isinstance(session, LabSession):
+        raise LabkitError(f"labs.check needs the session labs.start returned, got a {type(session).__name__}: "
+                          'run lab = labs.start("NN") first and pass lab')
+    lab_id = session.lab.id
+    result = check_lab(lab_id, session._variant, diagnosis, repair, seed=session.seed,
+                       try_number=_FAILED_TRIES.get(lab_id, 0) + 1)
+    if not result.passed:
+        _FAILED_TRIES[lab_id] = _FAILED_TRIES.get(lab_id, 0) + 1
+    show_record(result.message, GRADE_MIMETYPE, {"exercise": result.exercise, "notebook": result.notebook,
+                                                 "passed": result.passed, "message": result.message})
+    if not result.passed and os.environ.get(NBGRADER_EXECUTION):
+        raise AssertionError(result.message)
+
+
+def catalogue() -> list[dict]:
+    """Every lab as plain data for instructors and tests: ID, notebook, causes and variants, no code."""
+    return [{"id": lab.id, "notebook": lab.notebook, "title": lab.title,
+             "causes": [cause.name for cause in lab.causes],
+             "variants": [{"id": v.id, "cause": v.cause, "symptom": v.symptom} for v in lab.variants]}
+            for lab in map(lab_of, lab_ids())]
