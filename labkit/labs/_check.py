@@ -56,7 +56,7 @@ def check_lab(lab_id: str, variant_id: str, diagnosis: str, repair: object, *, s
     def not_yet(problem: str) -> Result:
         shown, more = hint_for(lab.hints, try_number)
         return Result(grade_id(lab.id), lab.notebook, False,
-                      f"✗ Lab {lab.id} not yet: {problem}. Hint: {shown}{more}")
+                      f"✗ Lab {lab.id} not yet: {problem}. Hint: {shown.rstrip('.')}.{more}")
 
     names = [cause.name for cause in lab.causes]
     if diagnosis not in names:

@@ -19,9 +19,11 @@ def seeded(build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
         return build()
 
 
-def audited_sgd(params: list[torch.Tensor], lr: float) -> tuple[torch.optim.SGD, StepAudit]:
+def audited_sgd(params: list[torch.Tensor], lr: float,
+                watched: list[torch.Tensor] | None = None) -> tuple[torch.optim.SGD, StepAudit]:
+    """Plain SGD over ``params``, audited over ``watched`` (default ``params``): frozen tensors may not move either."""
     optimizer = torch.optim.SGD(params, lr=lr)
-    return optimizer, StepAudit(optimizer, params, lr)
+    return optimizer, StepAudit(optimizer, params if watched is None else watched, lr)
 
 
 def curve_text(values: list[float], points: int = 8) -> str:

@@ -78,7 +78,7 @@ def train(stages, seed: int) -> Run:
     shuffle = torch.Generator().manual_seed(seed + 1)
     for _ in range(EPOCHS):
         for inputs, targets in stages["make_batches"](x, y, BATCH, shuffle):
-            rows = order[torch.searchsorted(first_feature, inputs[:, 0]).clamp_max(EXAMPLES - 1)]
+            rows = order[torch.searchsorted(first_feature, inputs[:, 0].contiguous()).clamp_max(EXAMPLES - 1)]
             trace["paired"][0] += int((y[rows] == targets).sum())
             trace["paired"][1] += len(inputs)
             prediction = model(inputs)

@@ -123,9 +123,7 @@ def train(stages, seed: int) -> Run:
     x, y, x_test, y_test = target_domain(seed)
     model = seeded(Finetuned, seed + 1)
     model.backbone.load_state_dict(pretrained(seed))
-    optimizer, audit = audited_sgd(list(model.head.parameters()), LR)
-    audit.params = list(model.parameters())  # the frozen backbone may move no more than the head outside a step
-    audit._last = audit._snapshot()
+    optimizer, audit = audited_sgd(list(model.head.parameters()), LR, watched=list(model.parameters()))
     source_mean = _norms(model.backbone)[0].running_mean.clone()
     stages["prepare"](model)
     stages["recalibrate"](model.backbone, x)
