@@ -46,7 +46,7 @@ class LabSession:
         self._variant = self.lab.variants[index].id
         self.causes = tuple(cause.name for cause in self.lab.causes)
         self.stages = dict(self.lab.stages)
-        self.run = self.lab.train(self.lab.stages_of(self.lab.variant(self._variant)), self.seed)
+        self.run = self.lab.run(self.lab.stages_of(self.lab.variant(self._variant)), self.seed)
         for name, value in self.run.objects.items():
             setattr(self, name, value)
 
@@ -56,7 +56,7 @@ class LabSession:
         if unknown:
             raise LabkitError(f"{', '.join(unknown)} is not a stage of lab {self.lab.id}: its stages are "
                               f"{', '.join(self.stages)}")
-        run = self.lab.train({**self.lab.stages_of(self.lab.variant(self._variant)), **stages}, self.seed)
+        run = self.lab.run({**self.lab.stages_of(self.lab.variant(self._variant)), **stages}, self.seed)
         self.lab.show(run)
         return run
 

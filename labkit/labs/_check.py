@@ -43,7 +43,7 @@ def grade_id(lab_id: str) -> str:
 def reference_runs(lab_id: str, variant_id: str, seed: int) -> tuple[Run, Run]:
     """The variant's defective run and its defect-free twin at ``seed`` (cached: both are deterministic)."""
     lab = lab_of(lab_id)
-    return lab.train(lab.stages_of(lab.variant(variant_id)), seed), lab.train(dict(lab.correct), seed)
+    return lab.run(lab.stages_of(lab.variant(variant_id)), seed), lab.run(dict(lab.correct), seed)
 
 
 def check_lab(lab_id: str, variant_id: str, diagnosis: str, repair: object, *, seed: int,
@@ -69,7 +69,7 @@ def check_lab(lab_id: str, variant_id: str, diagnosis: str, repair: object, *, s
     if problem:
         return not_yet(problem)
     try:
-        repaired = lab.train({**lab.stages_of(variant), **stages}, seed)
+        repaired = lab.run({**lab.stages_of(variant), **stages}, seed)
     except KeyboardInterrupt:
         raise
     except Exception as error:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 __all__: list[str] = []
 
 
@@ -80,6 +82,16 @@ class Lab:
             if cause.name == name:
                 return cause
         raise KeyError(name)
+
+    def run(self, stages: Mapping[str, Callable], seed: int) -> Run:
+        """``train`` on one CPU thread: the models are tiny, so more threads only wait on each other,
+        and on a shared machine they multiply a check's time; torch's setting is restored after."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self.train(stages, seed)
+        finally:
+            torch.set_num_threads(threads)
 
     def stages_of(self, variant: Variant) -> dict[str, Callable]:
         """The stage functions of ``variant``'s run: the twin's, with the defective ones swapped in."""
