@@ -23,6 +23,7 @@ COMMANDS = {
     "repro": ("labkit.runner.repro_command", "repro_main", "rerun one notebook with validated parameters"),
     "student": ("labkit.student", "main", "write the student edition (solutions removed)"),
     "progress": ("labkit.course.exercise_progress", "main", "re-check a learner's answers: which exercises pass"),
+    "labs": ("labkit.labs._listing", "main", "list the debugging labs: causes and variants (--json for JSON, --time to time the checks)"),
     "course": ("labkit.course.cli", "main", "mark check cells as nbgrader tests, lay out an nbgrader course"),
 }
 

@@ -390,6 +390,43 @@ grading.check("00.2", grad_of_each_call)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 00: your first lab
+# Every notebook ends with a debugging lab: a short training run on a model and data the notebook has
+# not shown, with **one defect** drawn for you from the notebook's family of failures. You see what a
+# practitioner would see (a loss curve, an accuracy, memory), never the code of the defect. Your job is
+# the one this workbook teaches: measure, find the cause, repair it, and let the check prove the repair.
+#
+# 1. `labs.start("00")` trains the run and prints its symptoms, the **causes** you may choose from (some
+#    are decoys that a measurement rules out) and the **stages** of its training you may rewrite, each
+#    with its contract. Your variant is drawn from your login (from your student ID under nbgrader),
+#    so it is yours every time; `labs.start("00", seed=7)` draws another, to practise on.
+# 2. Investigate with the run's objects (`lab.model`, `lab.optimizer`, `lab.x`, `lab.y`, `lab.losses`),
+#    plain PyTorch and labkit's instruments (`GradTracer`, `compare_grads`). `lab.rerun(loss_of=f)` reruns
+#    the same training with a stage of yours and prints what it shows.
+# 3. Write `diagnose(lab)`: return your diagnosis (one of `lab.causes`, as text) and your repair, the
+#    stage function you rewrote, named after its stage. The check reruns the training with your stage,
+#    makes sure it really trained (every step taken, at its learning rate, no weights written in), and
+#    compares the result with the same training without the defect. A wrong diagnosis gets the
+#    measurement that contradicts it; hints grow more explicit with each failed try.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("00")
+
+
+# %%
+# lab 00: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 00: replace these two lines with your answer")
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_lab_00", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb):
 # `.grad` is filled by a backward pass that walks a graph the forward pass recorded; 01 walks that

@@ -1193,6 +1193,35 @@ grading.check("02.2", accumulate_gradients)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 02: an accumulated, clipped training step
+# A new run: a small regression network trained with gradient accumulation over micro-batches and
+# gradient clipping (some inputs come from a faulty sensor, which is why it clips). One thing in its
+# step is wrong, drawn for you from this notebook's family. `labs.start` prints what you would see,
+# the causes you may choose from (decoys included) and the stages you may rewrite; investigate with
+# the run's objects (`lab.model`, `lab.optimizer`, `lab.x`, `lab.y`, `lab.losses`, `lab.grad_norms`),
+# plain PyTorch and labkit's instruments (`GradTracer`, `compare_grads`), and `lab.rerun(stage=f)`.
+# Then write `diagnose(lab)`: your diagnosis and the stage function you rewrote (lab 00 shows the format).
+# The check reruns the training with your stage and compares each step's gradient and the final error
+# with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("02")
+
+
+# %%
+# lab 02: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 02: replace these two lines with your answer")
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_lab_02", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [03 · In-place operations: when autograd raises, and when it cannot](03_inplace_ops.ipynb): the
 # tensors backward needs are saved by the forward pass; 03 shows what happens when an [in-place op](GLOSSARY.md#in-place-operation)

@@ -1066,6 +1066,34 @@ grading.check("05.2", recalibrate_batchnorm)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 05: fine-tuning on a shifted domain
+# A new run: a small network with BatchNorm, pretrained on one domain, gets a new head trained on a
+# shifted domain while its backbone stays frozen. One thing in its fine-tuning is wrong, drawn for you
+# from this notebook's family of BatchNorm failures. `labs.start` prints what you would see, the causes
+# you may choose from (decoys included) and the stages you may rewrite; investigate with the run's
+# objects (`lab.model`, `lab.x`, `lab.y`, `lab.x_test`, `lab.y_test`, `lab.losses`), plain PyTorch and
+# labkit's instruments, and `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the
+# stage function you rewrote (lab 00 shows the format). The check reruns the fine-tuning with your
+# stage and compares its held-out predictions with the same fine-tuning without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("05")
+
+
+# %%
+# lab 05: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 05: replace these two lines with your answer")
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_lab_05", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [06 · Optimizers and weight decay: what Adam, AdamW and the schedulers really do](06_optimizers_weight_decay.ipynb):
 # a head trains on top of the frozen backbone with an optimizer; 06 measures what Adam and AdamW

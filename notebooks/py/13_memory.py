@@ -825,6 +825,34 @@ grading.check("13.2", activation_bytes)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 13: a training loop that holds too much memory
+# A new run: a small network trained for a few steps, with one memory defect drawn for you from this
+# notebook's family. `labs.start` prints what you would see (the loss, and the bytes autograd keeps for
+# backward during the run and after each step), the causes you may choose from (decoys included) and
+# the stages you may rewrite; investigate with the run's objects (`lab.model`, `lab.history`,
+# `lab.losses`), plain PyTorch and labkit's memory instruments (`torch.autograd.graph.saved_tensors_hooks`,
+# as in exercise 13.2), and `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the
+# stage function you rewrote (lab 00 shows the format). The check reruns the training with your stage
+# and compares its memory and its final loss with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("13")
+
+
+# %%
+# lab 13: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 13: replace these two lines with your answer")
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_lab_13", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [14 · Data loading: what DataLoader workers share, and what they do not](14_data_loading.ipynb):
 # memory is one bottleneck of a training step; 14 measures the input pipeline that feeds it.

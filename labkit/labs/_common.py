@@ -1,0 +1,48 @@
+"""Pieces every lab's training loop shares: a seeded model build, the audited optimizer, the printed curve."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from labkit.labs._audit import StepAudit
+
+__all__: list[str] = []
+
+
+def seeded(build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
+    """``build()`` with torch's global stream at ``seed``, leaving the caller's stream as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def audited_sgd(params: list[torch.Tensor], lr: float,
+                watched: list[torch.Tensor] | None = None) -> tuple[torch.optim.SGD, StepAudit]:
+    """Plain SGD over ``params``, audited over ``watched`` (default ``params``): frozen tensors may not move either."""
+    optimizer = torch.optim.SGD(params, lr=lr)
+    return optimizer, StepAudit(optimizer, params if watched is None else watched, lr)
+
+
+def curve_text(values: list[float], points: int = 8) -> str:
+    """``points`` values spread over a curve (first and last included), as a practitioner's log shows them."""
+    if not values:
+        return "(no steps)"
+    picks = sorted({round(i * (len(values) - 1) / (points - 1)) for i in range(points)})
+    return "  ".join(f"{i + 1}:{number(values[i])}" for i in picks)
+
+
+def number(value: float) -> str:
+    """A loss or norm as a short, deterministic string ("nan" and "inf" spelled out)."""
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    return f"{value:.3g}"
+
+
+def relative_gap(value: float, reference: float) -> float:
+    """How far ``value`` is from ``reference``, relative to it (inf when ``value`` is not finite)."""
+    if not math.isfinite(value):
+        return math.inf
+    return abs(value - reference) / max(abs(reference), 1e-12)
