@@ -160,9 +160,10 @@ def format_table(verdicts: list[Verdict] | None = None, width: int = 100) -> str
 
 # How each verdict reads at a glance, in the table and in a verdict cell.
 VERDICT_MARKS = {"holds": "✓", "does-not-hold": "✗", "partly": "◐", "needs-gpu": "…", "untestable": "?"}
-# A bare Python boolean in evidence ("allclose: True", "(False)") reads as a word; an argument
-# (`set_to_none=True`) or code in backticks keeps its spelling.
-_BARE_BOOLEAN = re.compile(r"(?<![=\w`])(True|False)(?![\w`=])")
+# A bare Python boolean in evidence ("allclose: True", "(False)") reads as a word; code keeps its
+# spelling: an argument (`set_to_none=True`), an assignment ("head._compiled = False"), a default
+# ("default False"), or anything in backticks.
+_BARE_BOOLEAN = re.compile(r"(?<![=\w`])(?<!= )(?<!default )(True|False)(?![\w`=])")
 _TAKEAWAY_END = re.compile(r"[;:.](?=\s)|, but ")
 
 

@@ -44,6 +44,14 @@ def test_every_catalogue_id_has_a_stored_verdict(stored_claims):
     assert set(claims.catalogue()) - {r["id"] for r in stored_claims} == set()
 
 
+@pytest.mark.parametrize(("case", "code"), [
+    ("H2", "head._compiled = False"), ("E2", "(default False)"), ("B7", "(set_to_none=False)"),
+])
+def test_rendered_evidence_keeps_code_literals_as_written(stored_claims, case, code):
+    evidence = next(r["evidence"] for r in stored_claims if r["id"] == case)
+    assert code in evidence and code in claims.readable(evidence)
+
+
 def test_no_evidence_names_a_torch_version(stored_claims):
     naming = [(r["id"], r["notebook"], match.group(0))
               for r in stored_claims for pattern in VERSION_PATTERNS

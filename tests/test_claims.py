@@ -59,6 +59,9 @@ def test_rechecking_an_id_replaces_its_verdict_and_table_lists_it(capsys):
     ("with set_to_none=True the step moved (True)", "With set_to_none=True the step moved (yes)."),
     ("`x.requires_grad` is `False`. It stays", "`x.requires_grad` is `False`. It stays."),
     ("TrueNorm of 3", "TrueNorm of 3."),
+    ("with head._compiled = False torch.compile", "With head._compiled = False torch.compile."),
+    ("the flag decoupled_weight_decay (default False) gives", "The flag decoupled_weight_decay (default False) gives."),
+    ("0 (set_to_none=False) instead of 5", "0 (set_to_none=False) instead of 5."),
 ])
 def test_evidence_reads_as_a_sentence(evidence, sentence):
     assert claims.readable(evidence) == sentence

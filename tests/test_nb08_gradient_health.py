@@ -1,5 +1,11 @@
 """08_gradient_health under papermill: the L1 verdict follows the lead measured in the run, an
 uncapped warm-up is what the loss alarm and the tracer catch, and the update:data ratio fires first.
+L1's reachable outcomes: holds (the article's 3x at the default lr_cap 0.05, where the run parts from its
+capped twin 329 steps before the loss alarm), does-not-hold (8x: no unshared alert before the loss),
+untestable (bug=False: the run is its own twin). partly (4x at lr_cap 0.05 gives a lead of 2 steps) and
+the untestable lr_cap 0.3 (the run parts 72 steps before the loss) are tests/test_claim_decisions.py's,
+in-process, as are L1's other edges. L4 is partly in every run: the instrument half holds (the tour's
+sigmoid stack is far below 1e-6, flagged and drawn), the anecdote half does not.
 
 Both alert factors are papermill runs at SMALL: the stored run at the defaults (3x) cannot stand in for
 the 3x one, because L1's verdict and the leads and alert steps it is asserted with are recorded in cells
@@ -17,19 +23,23 @@ pytestmark = pytest.mark.lock_only
 SMALL = {"seed": 0, "steps": 560, "micro_batches": 2, "timing_seconds": 0.05}
 
 
-@pytest.mark.parametrize(("alert_factor", "verdict"), [(3.0, "partly"), (8.0, "does-not-hold")])
+@pytest.mark.parametrize(("alert_factor", "verdict"), [(3.0, "holds"), (8.0, "does-not-hold")])
 def test_l1_verdict_follows_the_measured_lead(tmp_path, alert_factor, verdict):
-    """At the article's 3x the monitor's first alert the healthy twin does not share comes a few
-    steps before the loss alarm; at 8x it comes after it, and the same code says so."""
+    """At the article's 3x the monitor's first alert the healthy twin (capped at 0.05) does not share
+    comes more than 200 steps before the loss alarm; at 8x none comes before it, and the same code
+    says so."""
     result = run_on_cpu(NOTEBOOK, tmp_path, {**SMALL, "bug": True, "alert_factor": alert_factor})
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert set(verdicts) == {"L1", "L2", "L3", "L4", "L5"}
     assert verdicts["L2"] == "holds" and verdicts["L3"] == "does-not-hold"
     assert verdicts["L1"] == verdict
-    lead = result.metrics["l1_lead"]
-    if verdict == "partly":
-        assert isinstance(lead, int) and 0 < lead < 200
+    assert verdicts["L4"] == "partly"
+    assert result.metrics["l4_instrument_half"] is True and result.metrics["l4_anecdote_half"] is False
+    lead, lead_cap = result.metrics["l1_lead"], result.metrics["l1_lead_cap"]
+    assert isinstance(lead_cap, int) and lead_cap >= 200
+    if verdict == "holds":
+        assert isinstance(lead, int) and 200 <= lead <= lead_cap
     else:
         assert lead == "none"
     assert isinstance(result.metrics["first_exploding_alert"], int)
@@ -47,6 +57,7 @@ def test_capped_warmup_gives_no_loss_signal_to_warn_of(tmp_path, student_edition
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts["L1"] == "untestable"
+    assert result.metrics["l1_lead_cap"] == "none"  # the run never parts from its capped twin
     assert result.metrics["first_exploding_alert"] == "none"
     # the run is its own capped twin: it never passes the twin's plateau, and no loss alarm to lead
     assert result.metrics["plateau_signal_lead"] == "none" and result.metrics["ratio_signal_lead"] == "none"

@@ -1,7 +1,8 @@
 """13_memory under papermill with other parameters: adding validation-loss tensors into a running
 total keeps one validation graph alive per step only with the bug; the memory verdicts do not depend
 on the bug switch. K8's verdict follows the calculator: ResNet-50 at the default batch 96 is a fraction
-of an 80 GB A100, at batch 640 most of one. (K3 to K7 are in 16_speed_and_memory,
+of an 80 GB A100, at batch 640 most of one; "right at" it (holds) is tests/test_claim_decisions.py's,
+in-process. (K3 to K7 are in 16_speed_and_memory,
 tests/test_nb16_speed_and_memory.py.)
 
 Both sides run at SMALL: the bug side (at the default ResNet batch) is a papermill run of the notebook,
@@ -30,7 +31,9 @@ def test_running_loss_tensor_keeps_graphs_alive_only_with_the_bug(tmp_path, stud
         result = run_student_edition_on_cpu(student_editions[NOTEBOOK], NOTEBOOK, tmp_path, parameters)
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
-    assert verdicts["K2"] == "does-not-hold"
+    # K2's five figures: the per-layer and 12-layer activations are within 25% of the claim, the
+    # parameters, AdamW state and total are not
+    assert verdicts["K2"] == "partly"
     assert verdicts["K1"] == "partly"
     assert set(verdicts) == {"K1", "K2", "K8"}
     assert verdicts["K8"] == k8

@@ -261,21 +261,34 @@ def eager_and_compiled_step_times(blocks=8, size=1024, batch=512):
     return results
 
 
+def a2_verdict(eager_nodes, compiled_nodes, slowdown, spread):
+    """Fewer nodes yet a slower step, by more than the timings' spread, is the measurable part of the
+    claim (partly: the L2-miss explanation is not measured); a spread over a quarter decides nothing."""
+    if spread > 0.25:
+        return "untestable"
+    return "partly" if compiled_nodes < eager_nodes and slowdown > 1 + spread else "does-not-hold"
+
+
 # %% tags=["nbval-ignore-output"]
 if dev.type == "cuda":
     compile_results = eager_and_compiled_step_times()
     (eager_nodes, eager_time), (compiled_nodes, compiled_time) = compile_results["eager"], compile_results["compiled"]
     slowdown = compiled_time.median_s / eager_time.median_s
+    timing_spread = max(eager_time.spread, compiled_time.spread)
     print(f"eager:    {eager_nodes} nodes, {eager_time}")
     print(f"compiled: {compiled_nodes} nodes, {compiled_time}")
+    a2 = a2_verdict(eager_nodes, compiled_nodes, slowdown, timing_spread)
     claims.check(
         "A2",
-        verdict="partly" if compiled_nodes < eager_nodes and slowdown > 1.0 else "does-not-hold",
+        verdict=a2,
         evidence=(
             f"compile cut the autograd graph from {eager_nodes} to {compiled_nodes} nodes and the step time "
             f"ratio compiled/eager was {slowdown:.2f} ({compiled_time.median_s * 1e3:.3g} ms vs "
-            f"{eager_time.median_s * 1e3:.3g} ms); fewer nodes {'did' if slowdown > 1 else 'did not'} come "
-            "with a slower step here; the L2-miss explanation was not measured"
+            f"{eager_time.median_s * 1e3:.3g} ms, spread up to {timing_spread:.0%}): "
+            + {"partly": "fewer nodes came with a step slower beyond that spread here",
+               "does-not-hold": "fewer nodes did not come with a step slower beyond that spread here",
+               "untestable": "timings that spread over 25% cannot decide"}[a2]
+            + "; the L2-miss explanation was not measured"
         ),
     )
 else:
@@ -388,8 +401,9 @@ print(f"ceil_mode=True:  {ink_outside(fixed_covered):.1%} of the ink lies outsid
 # PyTorch's CPU kernel. On a GPU the next cell runs the same check on `dev`, where the CUDA
 # `max_pool2d_with_indices_backward` kernel does the routing, on the digits and on larger inputs with
 # stride 3 (many thread blocks), in float64 with integer gradients so every sum is exact. It compares
-# the CUDA input gradient with the CPU's, bit for bit. On a CPU-only machine it does not run, and the
-# verdict below speaks for the CPU kernel only.
+# the CUDA input gradient with the CPU's, bit for bit. On a GPU the CUDA kernel's result decides the
+# verdict below; on a CPU-only machine the cell does not run, and the verdict speaks for the CPU
+# kernel. The verdict therefore depends on the device, and nbval ignores its cell.
 
 # %% jupyter={"outputs_hidden": true, "source_hidden": true} tags=["nbval-ignore-output"]
 if dev.type == "cuda":
@@ -412,16 +426,34 @@ if dev.type == "cuda":
             print(f"CUDA max_pool2d backward, {size}x{size}, kernel {kernel}, stride {stride}: gradient lost "
                   f"{cuda_lost:.0f}, equal to the CPU kernel's bit for bit: {same_as_cpu}")
     cuda_kernel_loses = any(lost != 0 or not same for _, _, _, lost, same in cuda_pool_checks)
-    print("the CUDA kernel dropped or misrouted gradient somewhere:", cuda_kernel_loses,
-          "(the verdict below covers the CPU kernel; a True here would contradict it on this GPU)")
+    print("the CUDA kernel dropped or misrouted gradient somewhere:", cuda_kernel_loses)
 
-# %%
+
+# %% tags=["nbval-ignore-output"]
+def a3_verdict(checks):
+    """`checks`: (stride, gradient lost or misrouted) per pooling the deciding kernel ran. The claim holds
+    if only stride 3 loses gradient, partly if some other stride loses it too, not if none does."""
+    stride_three = any(bad for stride, bad in checks if stride == 3)
+    other_strides = any(bad for stride, bad in checks if stride != 3)
+    return "holds" if stride_three and not other_strides else "partly" if stride_three or other_strides else "does-not-hold"
+
+
+cpu_misrouted = gradient_lost != 0 or not torch.equal(received, by_hand)
+if dev.type == "cuda":
+    a3_checks, a3_kernel = [(stride, lost != 0 or not same) for _, _, stride, lost, same in cuda_pool_checks], "CUDA"
+    kernel_result = (f"on {len(a3_checks)} poolings (8x8 digits, 255x255 and 1024x1024, strides 2 and 3) the CUDA "
+                     f"kernel lost or misrouted gradient in {sum(bad for _, bad in a3_checks)}; on the CPU ")
+else:
+    a3_checks, a3_kernel, kernel_result = [(pool_stride, cpu_misrouted)], "CPU", "the CUDA kernel was not run here; "
 claims.check(
     "A3",
-    verdict="does-not-hold" if gradient_lost == 0 and torch.equal(received, by_hand) else "holds",
+    verdict=a3_verdict(a3_checks),
+    device_dependent=True,
     evidence=(
-        f"with kernel {pool_kernel} and stride {pool_stride} on 8x8 digits, PyTorch's CPU kernel hands back exactly the "
-        f"output gradient (lost: {gradient_lost:.0f}), all of it at the arg-max positions. What is real: "
+        f"decided by the {a3_kernel} kernel: {kernel_result}"
+        f"with kernel {pool_kernel} and stride {pool_stride} on 8x8 digits, PyTorch's CPU kernel lost "
+        f"{gradient_lost:.0f} of the output gradient and routed it to the arg-max positions exactly "
+        f"({not cpu_misrouted}). What is real: "
         f"{64 - pixels_covered} of 64 pixels lie in no window, so they never affect the output and rightly get "
         f"zero gradient (they hold {ink_outside(covered):.0%} of the ink); kernel 3 with stride 2 on 8x8 leaves "
         f"{outside_windows[3, 2, 8]} such pixels too, while kernel 3 with stride 3 on 9x9 leaves "
@@ -591,10 +623,11 @@ claims.check(
     "A5",
     verdict="partly" if as_slices.all_exact and not as_sums.all_close else "holds",
     evidence=(
-        "cat hands each input its own rows of the upstream gradient, exactly as claimed; stack does the same "
-        f"along its new dimension (all {len(as_slices.rows)} gradients equal the slices exactly, and differ from "
-        f"the sum over that dimension by up to {max(r.max_abs_diff for r in as_sums.rows):.2f}). Stack is "
-        "unsqueeze + cat, so its backward is select, not a sum"
+        f"cat's and stack's inputs each got their own slice of the upstream gradient, exactly, in all "
+        f"{len(as_slices.rows)} comparisons: {as_slices.all_exact}; stack's gradients differ from the sum over its "
+        f"new dimension by up to {max(r.max_abs_diff for r in as_sums.rows):.2f}, so its backward "
+        + ("selects, as cat's does, and does not sum" if as_slices.all_exact and not as_sums.all_close
+           else "is not the slicing cat's is")
     ),
 )
 
@@ -652,10 +685,11 @@ claims.check(
     "A6",
     verdict="partly" if both_cut and detach_breaks and clone_safe else "does-not-hold",
     evidence=(
-        f"for gradient flow they are the same: both have requires_grad=False and no grad_fn ({both_cut}), so neither "
-        "passes gradient. They differ in memory: detach() shares storage and version counter with the original, so "
-        f"an in-place edit changed it (version {results_a6['detach()'][1]}) and its backward raised; after "
-        f"clone().detach() the original stayed at version {results_a6['clone().detach()'][1]} and backward ran"
+        f"both copies have requires_grad=False and no grad_fn, so neither passes gradient: {both_cut}. After an "
+        f"in-place edit of the copy, the original changed with detach(): {results_a6['detach()'][0]} (version "
+        f"{results_a6['detach()'][1]}, {results_a6['detach()'][2]}); with clone().detach(): "
+        f"{results_a6['clone().detach()'][0]} (version {results_a6['clone().detach()'][1]}, "
+        f"{results_a6['clone().detach()'][2]})"
     ),
 )
 

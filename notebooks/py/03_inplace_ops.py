@@ -388,7 +388,7 @@ claims.check(
         f"div_ on a saved tensor raised at the first backward ({saved_outcome.split(':')[0]}); div_ on an unsaved "
         f"tensor gave bit-identical gradients to div and matched F.layer_norm (gradcheck {gradcheck_passes}). "
         f"Trained {norm_steps} steps with eps={repro_eps:g}, div_ and div had identical losses. Without eps: "
-        f"{nan_text}; with eps=1e-5 both stayed finite. The NaN comes from 0/0 on a zero-variance row, not from div_"
+        f"{nan_text}; with eps=1e-5 both stayed finite ({fixed_finite})"
     ),
 )
 
@@ -812,8 +812,8 @@ print(f"poisoned batch skipped: {skipped}; running statistics finite: "
 # ## Summary
 # - Autograd's version counter turns most in-place mistakes into a `RuntimeError` at the first
 #   backward: `relu_` after `tanh`, `div_` on a tensor the variance saved, `fill_diagonal_` on a
-#   `cdist` output (C1, C2, C3). Where it does not raise, the in-place result is bit-identical to
-#   the out-of-place one. Writing through `.data` is the way to get silently wrong gradients.
+#   `cdist` output (C1, C2, C3). Where it did not raise here, the in-place result was bit-identical
+#   to the out-of-place one. Writing through `.data` gave silently wrong gradients.
 # - A LayerNorm goes NaN when a row has zero variance and `eps` is missing, with `div_` and `div`
 #   alike (C2). Put `eps` under the square root.
 # - Triplet embeddings can collapse (between-class cosine above 0.95, gradient std falling) under

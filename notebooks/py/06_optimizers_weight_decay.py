@@ -666,8 +666,11 @@ claims.check(
         f"one AdamW step after 20: the documented update theta*(1 - lr*wd) - lr*m_hat/(sqrt(v_hat)+eps) matches "
         f"torch within 1e-12 relative ({hand_report.all_close}); the article's formula gives steps "
         f"{beta_low:.2g}x to {beta_high:.2g}x the real ones (momentum = 0.9) or {buffer_low:.2g}x to "
-        f"{buffer_high:.2g}x (momentum = exp_avg): it lacks the second moment. Layer-wise decay works as parameter "
-        f"groups: measured 0.005/0.01/0.02 per group, 0 for biases (exact: {groups_work})"
+        f"{buffer_high:.2g}x (momentum = exp_avg): it lacks the second moment. Layer-wise decay as parameter "
+        f"groups: measured {'/'.join(format(measured_decay[n], '.4g') for n in expected_decay)} for the groups set "
+        f"to {'/'.join(format(d, 'g') for d in expected_decay.values())}, "
+        f"{'/'.join(format(measured_decay[n], 'g') for n in measured_decay if n not in expected_decay)} for the rest "
+        f"(each exactly as set: {groups_work})"
     ),
 )
 

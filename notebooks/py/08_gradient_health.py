@@ -63,8 +63,10 @@ from labkit.progress import track
 # ## Parameters
 # `steps` minibatch SGD steps train the MLP of case L1, whose learning rate warms up from `lr` by a
 # factor `lr_growth` per step. With `bug=True` the warm-up never stops (the schedule forgets its
-# cap); with `bug=False` it stops at `lr_cap`. The run is long enough, and the warm-up slow enough,
-# that a warning 200 steps ahead of the loss is possible. `log_interval` and `alert_factor` are the
+# cap); with `bug=False` it stops at `lr_cap`. A warning counts only once the run has left its capped
+# twin, at the step where the uncapped rate passes `lr_cap` (step 132 at the defaults), so the lead
+# can be at most the loss alarm's step minus that one: the defaults leave it room for 200 steps, and
+# a larger `lr_cap` (at 0.3 the two part at step 389) leaves too little. `log_interval` and `alert_factor` are the
 # article's monitor settings (log every 50 steps, alert at 3x). `width` is the hidden width of the
 # small MLPs; `micro_batches` is how many backward passes case L2 accumulates per step;
 # `timing_seconds` is how long each variant of the cost comparison runs.
@@ -76,7 +78,7 @@ width: int = 64  # hidden width of the small MLPs, at least 1
 steps: int = 600  # minibatch SGD steps of the warm-up run (case L1), at least 1
 lr: float = 0.02  # learning rate the warm-up starts from, above 0
 lr_growth: float = 1.007  # warm-up factor per step, at least 1
-lr_cap: float = 0.3  # learning rate the warm-up stops at with bug False, above 0
+lr_cap: float = 0.05  # learning rate the warm-up stops at with bug False, above 0
 log_interval: int = 50  # steps between two readings of the monitor, at least 1
 alert_factor: float = 3.0  # the monitor alerts at this multiple of its running mean, above 0
 micro_batches: int = 3  # backward passes accumulated per step (case L2), at least 1
@@ -764,33 +766,44 @@ for label, seconds in (("plain step", plain.median_s), ("with GradTracer", trace
                        (f"monitor, per step (1 in {log_interval} logs)", monitor_step_s)):
     print(f"{label:<34} {seconds * 1e3:7.2f} ms  ({seconds / plain.median_s:.2f}x plain)")
 
+
 # %% [markdown]
 # **Verdict.** The claim holds if the monitor's first warning (an alert the healthy twin did not
 # raise) comes at least 200 steps before the loss alarm; it holds partly if a warning comes earlier
-# than the loss but by less; otherwise it does not hold. A run must leave room for such a lead: the
-# monitor cannot alert before its 5th reading, and the lead is only measurable when the loss alarm
-# comes at least 200 steps after that. The evidence carries the measured cost, so this cell's output
-# is a timing and is ignored by nbval.
+# than the loss but by less; otherwise it does not hold. A run must leave room for such a lead: a
+# warning can only come once the run has parted from its capped twin (until the uncapped rate passes
+# `lr_cap` the two are the same run) and once the monitor has its 5th reading, so the experiment caps
+# the lead at the loss alarm's step minus the later of those two. When that cap is under 200 steps
+# (or the run never parts from its twin, or the loss never alarms) the claim is untestable on this
+# run. The evidence carries the measured cost, so this cell's output is a timing and is ignored by nbval.
 
 # %% tags=["nbval-ignore-output"]
-first_possible = (monitor.window - 1) * log_interval
-lead = None if first_warning is None or loss_step is None else loss_step - first_warning[0]
-if loss_step is None or loss_step - first_possible < 200:
-    verdict = "untestable"
-elif lead is not None and lead >= 200:
-    verdict = "holds"
-elif lead is not None and lead > 0:
-    verdict = "partly"
-else:
-    verdict = "does-not-hold"
+def l1_verdict(loss_step, parting_step, first_reading_alert, warning_step):
+    """The verdict, the lead and the most lead the experiment allows (None where a step is None)."""
+    lead_cap = None if loss_step is None or parting_step is None else loss_step - max(parting_step, first_reading_alert)
+    lead = None if warning_step is None or loss_step is None else loss_step - warning_step
+    if lead_cap is None or lead_cap < 200:
+        return "untestable", lead, lead_cap
+    if lead is not None and lead >= 200:
+        return "holds", lead, lead_cap
+    return ("partly" if lead is not None and lead > 0 else "does-not-hold"), lead, lead_cap
+
+
+first_reading_alert = (monitor.window - 1) * log_interval
+parting_step = next((step for step in range(steps) if warmup_lr(step, not bug) != warmup_lr(step, True)), None)
+verdict, lead, lead_cap = l1_verdict(loss_step, parting_step, first_reading_alert,
+                                     first_warning[0] if first_warning else None)
 claims.metric("l1_lead", "none" if lead is None else lead)
+claims.metric("l1_lead_cap", "none" if lead_cap is None else lead_cap)
 claims.check(
     "L1",
     verdict=verdict,
     device_dependent=True,
     evidence=(
-        f"on a {steps}-step warm-up run whose learning rate grows {lr_growth:g}x per step without a cap, the loss "
-        f"alarm went off at step {loss_step}; the article's monitor (log every {log_interval} steps, alert at "
+        f"on a {steps}-step warm-up run whose learning rate grows {lr_growth:g}x per step "
+        f"{'without a cap' if bug else f'up to {lr_cap:g}'}, the loss alarm went off at step {loss_step}; the run "
+        f"parted from its twin capped at {lr_cap:g} at step {parting_step}, so the experiment caps any lead at "
+        f"{lead_cap} steps; the article's monitor (log every {log_interval} steps, alert at "
         f"{alert_factor:g}x) first alerted at step {first_alert[0] if first_alert else None}, but {shared} of its "
         f"{len(before_loss)} alerts before the loss alarm were raised by the capped healthy twin too; its first "
         f"alert the twin did not share came at step {first_warning[0] if first_warning else None} (lead "
@@ -918,11 +931,12 @@ ENCODER_CHANNELS, ALIGNED_CHANNELS, BOTTOM_CHANNELS = 16, 8, 16
 
 class SmallUNet(nn.Module):
     """align_skip=True: a 1x1 conv aligns the skip's channels; False: the raw skip is concatenated,
-    into a decoder whose first conv takes `decoder_inputs` channels."""
+    into a decoder whose first conv takes `decoder_inputs` channels. reverse_skip=True feeds the skip's
+    channels in reverse order."""
 
-    def __init__(self, align_skip, decoder_inputs=None):
+    def __init__(self, align_skip, decoder_inputs=None, reverse_skip=False):
         super().__init__()
-        self.align_skip = align_skip
+        self.align_skip, self.reverse_skip = align_skip, reverse_skip
         self.enc1 = nn.Conv2d(1, ENCODER_CHANNELS, 3, padding=1)
         self.enc2 = nn.Conv2d(ENCODER_CHANNELS, BOTTOM_CHANNELS, 3, padding=1)
         self.lateral = nn.Conv2d(ENCODER_CHANNELS, ALIGNED_CHANNELS, 1) if align_skip else None
@@ -934,6 +948,8 @@ class SmallUNet(nn.Module):
         early = F.relu(self.enc1(x))
         bottom = F.relu(self.enc2(F.avg_pool2d(early, 2)))
         skip = self.lateral(early) if self.align_skip else early
+        if self.reverse_skip:  # the skip's channels in the opposite order to the one the decoder learned
+            skip = skip.flip(1)
         merged = torch.cat([F.interpolate(bottom, scale_factor=2), skip], dim=1)
         return self.out(F.relu(self.dec2(F.relu(self.dec1(merged)))))
 
@@ -948,10 +964,13 @@ print("raw skip into the decoder built for aligned channels:",
 
 
 # %% [markdown]
-# PyTorch does not let a channel mismatch pass silently: the concat itself accepts any channel
-# count, and the decoder's first convolution then refuses it. A model with this bug that *trains*
-# has had its decoder widened to the raw skip's channel count (here 16 + 16 inputs), which is the
-# version measured next, against the aligned one. Both train for 30 steps under a `GradTracer`.
+# PyTorch does not let a channel-count mismatch pass silently: the concat itself accepts any channel
+# count, and the decoder's first convolution then refuses it. Widening the decoder to 16 + 16 inputs
+# makes it run, but that is no longer a misalignment: it is an ordinary U-Net skip, with the decoder
+# sized for both inputs. A misaligned concat that *trains* is one whose channel count fits and whose
+# channel order does not: below, the aligned model is trained, then trained on with its skip's
+# channels reversed, so its decoder gets each channel where it learned to expect another; the
+# aligned model trained on as it is is the control. Every run is 30 steps under a `GradTracer`.
 
 # %%
 def train_unet(model, unet_steps=30):
@@ -969,11 +988,24 @@ def train_unet(model, unet_steps=30):
     return tracer, loss.item()
 
 
+def trained_on(weights, reverse_skip):
+    """The aligned model with `weights` loaded, its skip reversed or not: trained on from there."""
+    model = on_device(SmallUNet(align_skip=True, reverse_skip=reverse_skip))
+    model.load_state_dict(weights)
+    return model
+
+
+torch.manual_seed(seed)
+pretrained = on_device(SmallUNet(align_skip=True))
+train_unet(pretrained)
+pretrained_weights = {name: value.clone() for name, value in pretrained.state_dict().items()}
 DECODER = ("dec1.weight", "dec2.weight", "out.weight")  # the decoder's last three layers
 UNET_DESIGNS = {
     "aligned skip (1x1 lateral)": lambda: SmallUNet(align_skip=True),
-    "raw skip, decoder widened to fit": lambda: SmallUNet(align_skip=False,
-                                                           decoder_inputs=BOTTOM_CHANNELS + ENCODER_CHANNELS),
+    "raw skip, decoder sized for it": lambda: SmallUNet(align_skip=False,
+                                                         decoder_inputs=BOTTOM_CHANNELS + ENCODER_CHANNELS),
+    "aligned, trained on": lambda: trained_on(pretrained_weights, reverse_skip=False),
+    "skip reversed, trained on": lambda: trained_on(pretrained_weights, reverse_skip=True),
 }
 unet_flow = {}
 for design, build in UNET_DESIGNS.items():
@@ -988,37 +1020,56 @@ for design, build in UNET_DESIGNS.items():
           + f"; parameters with no gradient: {missing or 'none'}; final loss {final_loss:.4f}")
 
 # %% [markdown]
-# **Measure.** `plot_grad_flow` of the misaligned model at step 20: bars of max and mean |grad| per
-# parameter on a log scale ("no grad" would mark a parameter that got none).
+# **Measure.** `plot_grad_flow` of the misaligned model (skip reversed) at step 20: bars of max and
+# mean |grad| per parameter on a log scale ("no grad" would mark a parameter that got none).
 
 # %%
-ALIGNED, MISALIGNED = UNET_DESIGNS
+ALIGNED, MISALIGNED = "aligned, trained on", "skip reversed, trained on"
 figure = plot_grad_flow(unet_flow[MISALIGNED][0], step=20)
 plt.show()
 
+# %% [markdown]
+# **Verdict.** The claim has two halves. The instrument: `plot_grad_flow` shows which layers'
+# gradients are near zero; it holds if the tour's patient has layers with mean |grad| below 1e-6
+# and the tracer flags every one of them as vanishing (the tour drew them). The anecdote: a concat
+# without channel alignment pushes the decoder's last three layers below 1e-6; it holds if the
+# reversed skip's decoder falls below 1e-6 while the aligned control's does not. Both halves: holds;
+# one: partly; neither: does not hold.
+
 # %%
+patient_last_full = max(r["step"] for r in patient.history() if r["mean_abs"] is not None)
+near_zero_layers = sorted(r["param"] for r in patient.history()
+                          if r["step"] == patient_last_full and r["mean_abs"] is not None and r["mean_abs"] < 1e-6)
+flagged_vanishing = {alert.name for alert in patient.alerts("vanishing")}
+instrument_half = bool(near_zero_layers) and set(near_zero_layers) <= flagged_vanishing
 misaligned_decoder = min(unet_flow[MISALIGNED][1].values())
 aligned_decoder = min(unet_flow[ALIGNED][1].values())
+widened_decoder = min(unet_flow["raw skip, decoder sized for it"][1].values())
 misaligned_loss, aligned_loss = unet_flow[MISALIGNED][3], unet_flow[ALIGNED][3]
-below = misaligned_decoder < 1e-6 and aligned_decoder >= 1e-6
+anecdote_half = misaligned_decoder < 1e-6 <= aligned_decoder
+l4_halves = (instrument_half, anecdote_half)
+claims.metric("l4_instrument_half", instrument_half)
+claims.metric("l4_anecdote_half", anecdote_half)
 claims.check(
     "L4",
-    verdict="holds" if below else "does-not-hold",
+    verdict="holds" if all(l4_halves) else "partly" if any(l4_halves) else "does-not-hold",
     evidence=(
-        "concatenating a small U-Net's raw 16-channel skip without its 1x1 channel alignment "
+        f"in the tour's patient {len(near_zero_layers)} parameters had mean |grad| below 1e-6 at step "
+        f"{patient_last_full} ({', '.join(near_zero_layers) or 'none'}), flagged as vanishing and drawn: "
+        f"{instrument_half}. A small U-Net's raw 16-channel skip without its 1x1 alignment "
         + ("ran" if misaligned_error is None else f"raised {type(misaligned_error).__name__} at the decoder's first conv")
-        + f"; with the decoder widened so it runs, the decoder's smallest mean |grad| at step 20 was "
-        f"{misaligned_decoder:.1e} against {aligned_decoder:.1e} with the aligned skip "
-        f"({'below' if misaligned_decoder < 1e-6 else 'not below'} 1e-6), final loss {misaligned_loss:.4f} "
-        f"against {aligned_loss:.4f}"
+        + f"; with the skip's channels reversed after training, the decoder's smallest mean |grad| at step 20 was "
+        f"{misaligned_decoder:.1e} against {aligned_decoder:.1e} for the aligned control "
+        f"({'below' if misaligned_decoder < 1e-6 else 'not below'} 1e-6), final loss {misaligned_loss:.4f} against "
+        f"{aligned_loss:.4f}; a decoder sized for the raw skip (an ordinary U-Net skip) had {widened_decoder:.1e}"
     ),
 )
 
 # %% [markdown]
-# With the default parameters the unaligned skip either crashes the decoder it was meant for or, once
-# widened to fit, trains with decoder gradients of the same order as the aligned model's, nowhere near
-# 1e-6. Decoder gradients that small point elsewhere, for example at dead units feeding the decoder
-# (the tour at the top showed how the tracer reports those) or at a cut graph, which `plot_grad_flow`
+# The unaligned skip either crashes the decoder it was meant for or, when the channel count fits and
+# the order does not, trains with decoder gradients of the same order as the aligned model's (the
+# evidence above gives them). Decoder gradients below 1e-6 point elsewhere, for example at a vanishing
+# stack like the tour's, at dead units feeding the decoder, or at a cut graph, which `plot_grad_flow`
 # marks as "no grad".
 #
 # **The fix, proven.** Align the skip's channels with a 1x1 convolution before the concat: the
@@ -1096,9 +1147,10 @@ claims.check(
     "L5",
     verdict="holds" if per_entry_holds else ("partly" if norm_holds else "does-not-hold"),
     evidence=(
-        f"in a pre-LN MLP block on digits at widths 32-128, block weight / LayerNorm gradient norm ratios were "
-        f"{min(norm_ratios):.0f}-{max(norm_ratios):.0f} (growing like sqrt(numel), not 100-1000) and per-entry "
-        f"RMS ratios {min(rms_ratios):.2f}-{max(rms_ratios):.2f}; the ResNet-50 conv1 range (0.01-0.3) is "
+        f"in a pre-LN MLP block on digits at widths {min(ln_table)}-{max(ln_table)}, block weight / LayerNorm "
+        f"gradient norm ratios were {min(norm_ratios):.0f}-{max(norm_ratios):.0f} (the square root of the entry-count "
+        f"ratio, sqrt(4·width), is {math.sqrt(4 * min(ln_table)):.0f}-{math.sqrt(4 * max(ln_table)):.0f}) and per-entry "
+        f"RMS ratios {min(rms_ratios):.2f}-{max(rms_ratios):.2f}, against the claimed 100-1000; the ResNet-50 conv1 range (0.01-0.3) is "
         f"untestable here: no ResNet-50 weights or ImageNet data, and a grad norm depends on loss scale, batch "
         f"and training stage"
     ),
@@ -1124,8 +1176,10 @@ claims.check(
 #   alert, built for jumps, fires after the loss.
 # - A bias gradient does not see the Dropout mask in front of its layer (L3); std 0 means a
 #   normalisation right after it or dead units.
-# - A skip concatenated without channel alignment crashes the decoder built for aligned channels, and
-#   once widened to fit it trains with ordinary decoder gradients, not below 1e-6 (L4).
+# - `plot_grad_flow` does show the layers whose gradients are near zero (the tour's sigmoid stack);
+#   a skip concatenated without channel alignment crashes the decoder built for aligned channels,
+#   and with its channels merely out of order it trains with ordinary decoder gradients, not below
+#   1e-6 (L4).
 # - Compare gradients of differently sized parameters per entry: LayerNorm's are not 100x smaller
 #   per entry (L5).
 

@@ -772,7 +772,8 @@ print("the loss keeps falling after the first batch size:", fixed_losses[-1] < f
 #   noisy at every size measured. The claimed rise of the loss's std from batch 32 to 64 is the wrong
 #   way round.
 # - Batch sizes need not be multiples of the warp size (J1): the batch maps to matrix rows and
-#   tiles, and at worst a partial tile costs a step in time, measured on a GPU.
+#   tiles, and at worst a partial tile costs a step in time; the time itself is a GPU measurement
+#   that a CPU run does not make.
 # - The global batch is per-device × devices × accumulation steps (J3), and it is the same update
 #   as one big batch when micro-batch losses are means divided by the steps and devices are averaged.
 # - A utilisation-driven batch scheduler (J4) cannot exceed the loader's batch in the article's loop,

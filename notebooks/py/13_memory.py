@@ -455,18 +455,18 @@ def part_verdict(claimed, real, tolerance=0.25):
 part_verdicts = {label: part_verdict(*numbers) for label, numbers in comparison.items()}
 for label, verdict in part_verdicts.items():
     print(f"{label:<24} {verdict}")
-state_holds = part_verdicts["parameters"] == part_verdicts["AdamW state"] == "holds"
+parts_holding = [label for label, verdict in part_verdicts.items() if verdict == "holds"]
 claims.check(
     "K2",
-    verdict="holds" if all(v == "holds" for v in part_verdicts.values()) else "partly" if state_holds
-    else "does-not-hold",
+    verdict="holds" if len(parts_holding) == len(part_verdicts) else "partly" if parts_holding else "does-not-hold",
     evidence=(
         f"ViT-Base/16 has {parameter_count / 1e6:.1f}M parameters: {comparison['parameters'][1] / MB:.0f} MB in float32 "
         f"(claimed 125), AdamW state {comparison['AdamW state'][1] / MB:.0f} MB (claimed 500), gradients "
         f"{int(state['gradients']) / MB:.0f} MB left out; activations {per_layer / MB:.1f} MB per layer and "
         f"{all_layers / MB:.0f} MB for 12 layers at batch 1 with fused attention (claimed 12 and 144); written-out "
         f"attention, which saves its probabilities, keeps {explicit_layer / MB:.1f} MB per layer at batch 1, "
-        f"growing with the batch; the four parts at batch 1 total {comparison['total'][1] / MB:,.0f} MB (claimed 894)"
+        f"growing with the batch; the four parts at batch 1 total {comparison['total'][1] / MB:,.0f} MB (claimed 894); "
+        f"within 25% of the claim: {', '.join(parts_holding) or 'none'} of the {len(part_verdicts)} figures"
     ),
 )
 
@@ -559,11 +559,21 @@ if dev.type == "cuda":
 else:
     print("no CUDA device here: ResNet-50's measured step peak is read on the GPU runner")
 
+
+# %% [markdown]
+# **Verdict.** "Right at the limit" holds if the float32 estimate is within 10% of 80 GB, partly if
+# it is within half of it, and does not hold further away; set `resnet_batch` to move it.
+
 # %%
+def k8_verdict(share):
+    """"Right at" 80 GB: within 10% of it; within half of it, near but not at; otherwise not near it."""
+    return "holds" if abs(share - 1) <= 0.1 else "partly" if abs(share - 1) <= 0.5 else "does-not-hold"
+
+
 fp32_share = int(resnet_memory["fp32"]) / A100_BYTES
 claims.check(
     "K8",
-    verdict="does-not-hold" if fp32_share < 0.5 else "partly",
+    verdict=k8_verdict(fp32_share),
     evidence=(
         f"ResNet-50 ({sum(p.numel() for p in resnet.parameters()) / 1e6:.1f}M parameters) at batch {resnet_batch}, "
         f"224×224, AdamW: {int(resnet_memory['fp32']) / 1e9:.1f} GB in float32 ({fp32_share:.0%} of 80 GB) and "
@@ -695,8 +705,9 @@ print(f"fixed loop keeps {fixed_growth:,} B per step: its total is a float, whic
 #   Convolution kernels add private workspace on top, which an estimate must measure kernel by
 #   kernel (`kernel_workspace="measure"`) to match the allocator.
 # - ViT-Base's real numbers are 86.6M parameters, 346 MB of weights, 346 MB of gradients, 693 MB of
-#   AdamW state and about 10 MB of activations per layer per image (K2); the article's 125, 500 and
-#   894 MB are wrong.
+#   AdamW state, and 9.7 MB of activations per layer per image with fused attention, 11.5 MB with
+#   attention written out (K2): the article's 12 MB per layer is near those, its 125, 500 and 894 MB
+#   are not.
 # - ResNet-50 at batch 96 needs about a tenth of an 80 GB A100 (K8): estimate with
 #   `memory.analytic_memory` on a meta-device model before choosing a batch size.
 # - Adding loss tensors into a running total keeps one validation graph alive per step: add
