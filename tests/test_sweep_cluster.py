@@ -8,12 +8,15 @@ process, found as the parent of the papermill child that started the point's ker
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -68,6 +71,75 @@ def test_an_unreachable_scheduler_is_a_clear_error_within_the_timeout(make_noteb
                               connect_timeout=2)
     assert time.monotonic() - started < 2 + 10  # the timeout, plus the import of distributed on a busy machine
     assert not (tmp_path / "sweep").exists()
+
+
+def within(seconds: float, call):
+    """What `call()` raised or returned, from a daemon thread; an assertion error if it is still running after
+    `seconds` (the old code hung there: the thread is left behind rather than the test)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["returned"] = call()
+        except BaseException as error:  # noqa: BLE001 - the test looks at it
+            outcome["raised"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    return outcome
+
+
+@pytest.mark.parametrize("problem", ["silent port", "missing file", "not json"])
+def test_connect_timeout_bounds_a_silent_scheduler_and_a_missing_or_broken_scheduler_file(problem, make_notebook,
+                                                                                           tmp_path):
+    # DK1, DK2: a port that accepts and never answers held the Client forever; DK4: a missing scheduler
+    # file was waited for forever; DK5: a broken one ended in distributed's AssertionError
+    nb = make_notebook("p", PARAMS, METRIC)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        where = {"silent port": f"tcp://127.0.0.1:{silent.getsockname()[1]}",
+                 "missing file": str(tmp_path / "nofile.json"), "not json": str(tmp_path / "bad.json")}[problem]
+        (tmp_path / "bad.json").write_text("{not json")
+        outcome = within(60, lambda: cluster.cluster_sweep(nb, {"steps": [1, 2]}, tmp_path / "sweep", cluster=where,
+                                                           connect_timeout=2))
+    message = {"silent port": "within 2 s .*accepted the connection but never answered",
+               "missing file": "no scheduler file .*nofile.json after 2 s: start the scheduler",
+               "not json": "bad.json is not a scheduler file"}[problem]
+    assert isinstance(outcome.get("raised"), LabkitError), outcome
+    assert re.search(message, str(outcome["raised"])), outcome["raised"]
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_a_local_cluster_refuses_a_client_without_its_credentials_and_serves_no_dashboard(tmp_path):
+    # DK14: any local process could connect to the sweep's scheduler and run code on its workers
+    import distributed
+
+    spec = cluster.parse_cluster("local:1")
+    with cluster._local_settings(spec, distributed, tmp_path / ".dask"):
+        client, local = cluster._connect(distributed, spec, 60, tmp_path)
+        try:
+            address = local.scheduler_address
+            assert address.startswith("tls://127.0.0.1:")
+            assert len(client.run(os.getpid)) == 1  # the sweep's own client, with the credentials, is served
+            for intruder in ({"address": address.replace("tls://", "tcp://")},  # no TLS at all
+                             {"address": address, "security": distributed.Security.temporary()}):  # another CA
+                with pytest.raises(Exception) as refused:
+                    distributed.Client(**intruder, timeout=5).run(os.getpid)
+                assert not isinstance(refused.value, AssertionError)
+            http = f"http://127.0.0.1:{local.scheduler.http_server.port}"
+            assert urllib.request.urlopen(f"{http}/health", timeout=10).read() == b"ok"
+            for page in ("/status", "/info/main/workers.html", "/json/identity.json", "/metrics"):
+                with pytest.raises(urllib.error.HTTPError, match="404"):  # no dashboard, no info on the workers
+                    urllib.request.urlopen(http + page, timeout=10)
+            listening = {c.laddr.port for process in [psutil.Process(), *psutil.Process().children(recursive=True)]
+                         for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+            assert 8787 not in listening
+        finally:
+            cluster._close(client, local)
 
 
 def test_the_command_line_refuses_cluster_without_a_sweep_and_with_workers(make_notebook):
