@@ -5,6 +5,7 @@ start and little more; the cluster tests are marked slow. A worker is killed for
 process, found as the parent of the papermill child that started the point's kernel).
 """
 
+import contextlib
 import csv
 import json
 import os
@@ -284,9 +285,54 @@ def test_ctrl_c_stops_the_running_point_and_closes_the_cluster_it_started(make_n
     assert process.returncode == 130, (stdout, stderr)
     assert time.monotonic() - interrupted < 60
     assert "labkit repro: interrupted" in stderr and "never started" in stderr, stderr
+    # DK7: the workers got the terminal's SIGINT too, died printing Dask's tracebacks and lost the running point
+    assert "Traceback" not in stdout + stderr and "ERROR" not in stdout + stderr, stderr
+    assert "1 stopped while running, with what they had made (hold=1)" in stderr, stderr
+    assert (out / "hold=1" / "k.ipynb").exists(), "the stopped point's partial notebook was not kept"
+    with (out / "sweep.csv").open(newline="") as handle:
+        assert [(row["hold"], row["status"]) for row in csv.DictReader(handle)] == [("1", "interrupted"),
+                                                                                   ("2", "interrupted")]
     time.sleep(2)  # the kernel polls for its parent once a second
     assert not running(kernel), "the running point's kernel outlived Ctrl-C"
     assert not [p.pid for p in started if running(p.pid)], "a worker, nanny or papermill process outlived Ctrl-C"
     statuses = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/k.result.json")}
     assert statuses == {"hold=1": "interrupted", "hold=2": "interrupted"}, statuses
     assert not (out / cluster.LOCAL_SCRATCH).exists()
+
+
+@pytest.mark.slow
+def test_a_scheduler_killed_mid_sweep_fails_its_points_and_the_table_is_written(make_notebook, tmp_path):
+    # DK9: a scheduler SIGKILLed mid-sweep ended in a raw KeyError: 'workers' and no sweep.csv
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    nb = make_notebook("k", f"ready = {str(ready)!r}\nhold = 0", KILLABLE)
+    scheduler_file = tmp_path / "scheduler.json"
+    dask = [str(Path(sys.executable).with_name("dask"))]
+    scheduler = subprocess.Popen([*dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                  "--scheduler-file", str(scheduler_file)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen([*dask, "worker", "--nthreads", "1", "--no-dashboard", "--scheduler-file",
+                               str(scheduler_file)], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "labkit", "repro", str(nb), "--sweep", "hold=1,2", "--cluster",
+               str(scheduler_file), "--connect-timeout", "30", "--out", str(out)]
+    try:
+        sweep = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while not list(ready.iterdir()):
+            assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
+            time.sleep(0.2)
+        scheduler.kill()
+        stdout, stderr = sweep.communicate(timeout=300)
+    finally:
+        leftovers = psutil.Process(worker.pid).children(recursive=True) if worker.poll() is None else []
+        for process in [*leftovers, scheduler, worker, sweep]:  # the worker's point's kernel sleeps on
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                process.kill()
+    assert sweep.returncode == 1, (stdout, stderr)
+    assert "Traceback" not in stderr and "KeyError" not in stderr, stderr
+    assert "the scheduler named in" in stdout and "was lost" in stdout, stdout
+    with (out / "sweep.csv").open(newline="") as handle:
+        assert [(row["hold"], row["status"]) for row in csv.DictReader(handle)] == [("1", "failed"), ("2", "failed")]

@@ -198,7 +198,7 @@ def _handshake(distributed, address: str, seconds: float) -> None:
         await comm.close()
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, asyncio.wait_for(exchange(), max(seconds, 0.1))).result()
+        pool.submit(asyncio.run, asyncio.wait_for(exchange(), seconds)).result()
 
 
 def _import_distributed():
@@ -233,7 +233,7 @@ def _connect(distributed, spec: ClusterSpec, connect_timeout: float, out_dir: Pa
         address = spec.address
         if spec.kind == "scheduler-file":
             address = _scheduler_file_address(Path(spec.address), connect_timeout)
-        _handshake(distributed, address, connect_timeout - (time.monotonic() - started))
+        _handshake(distributed, address, max(connect_timeout - (time.monotonic() - started), 0.1))
         client = distributed.Client(address, timeout=connect_timeout)
     except (OSError, TimeoutError) as error:
         seconds = time.monotonic() - started
