@@ -29,6 +29,7 @@ __all__ = [
     "TorchDispatchMode",
     "aten_arguments",
     "aten_ops",
+    "compiled_original",
     "cpu_allocation",
     "fake_tensor_failures_unlogged",
     "foreach_copy_",
@@ -91,6 +92,17 @@ def rearm_post_accumulate_grad_hooks(param: torch.Tensor) -> None:
     hooks = param._post_accumulate_grad_hooks
     if hooks is not None:
         param._post_accumulate_grad_hooks = hooks
+
+
+def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The eager module a ``torch.compile(module)`` wrapper (dynamo's OptimizedModule) runs, else None.
+
+    An instrument that hooks modules runs this one instead: dynamo traced under global module hooks
+    fails inside its own tracker on the first call."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # a compiled module exists only once it is imported
+    if eval_frame is None or not isinstance(model, private("torch._dynamo.eval_frame", "OptimizedModule")):
+        return None
+    return model._orig_mod
 
 
 def present(module: str, names) -> tuple:

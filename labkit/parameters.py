@@ -6,7 +6,10 @@ reads, so `papermill --help-notebook` and `papermill.inspect_notebook` show each
     steps: int = 30  # training steps, at least 1
 
 The help's last comma-separated clauses may state bounds: `at least N`, `at most N`, `above N`,
-`below N` or `from N to M` (prefixed with `each` for a list). They are written once, there, and read by
+`below N` or `from N to M` (prefixed with `each` for a list). A bound may name another parameter
+instead of a number (`micro_batches: int = 4  # ..., from 1 to batch`): values valid alone but not
+together are then refused naming both. A number without a declared upper bound may be at most
+`UNDECLARED_CEILING`, and a list may not be empty. They are written once, there, and read by
 `declared_parameters` both for `python -m labkit repro` and for `check_parameters`, the call in the
 cell right after the parameters cell, which guards plain papermill too (papermill injects its values
 between the two). Used in 00_start_here.
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from labkit.errors import LabkitError
 
-__all__ = ["Parameter", "ParameterError", "check_values", "declared_parameters"]  # and repro.check_parameters
+__all__ = ["UNDECLARED_CEILING", "Parameter", "ParameterError", "check_values", "declared_parameters"]  # and repro.check_parameters
 
 SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 """The annotations a parameter may carry: these, or `list[...]` of one of them."""
@@ -38,8 +41,12 @@ _ANNOTATIONS = set(SCALAR_TYPES) | {f"list[{kind}]" for kind in SCALAR_TYPES}
 _UNTYPED_KINDS = {"list": list, "dict": dict, "tuple": tuple, "set": set, "bytes": bytes, "complex": complex}
 _BOUNDS = {"at least": operator.ge, "at most": operator.le, "above": operator.gt, "below": operator.lt}
 _NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
-_BOUND_CLAUSE = re.compile(rf"(?P<each>each )?(?:(?P<op>at least|at most|above|below) (?P<n>{_NUMBER})"
-                           rf"|from (?P<low>{_NUMBER}) to (?P<high>{_NUMBER}))")
+_OPERAND = rf"{_NUMBER}|[A-Za-z_]\w*"  # a number, or the name of another parameter of the cell
+_BOUND_CLAUSE = re.compile(rf"(?P<each>each )?(?:(?P<op>at least|at most|above|below) (?P<n>{_OPERAND})"
+                           rf"|from (?P<low>{_OPERAND}) to (?P<high>{_OPERAND}))")
+UNDECLARED_CEILING = 2**32 - 1
+"""The most a number parameter may be when its help declares no upper bound: the largest seed NumPy takes,
+far above any count a run finishes with. A parameters cell declares its own, lower ceiling with `at most N`."""
 # papermill's own Python translator adds this comment on top of the cell it injects, and its
 # `--inject-paths` options add these names, which no parameters cell declares.
 _INJECTED_HEADER = "# Parameters"
@@ -64,7 +71,7 @@ class Parameter:
     type: str
     default: object
     help: str = ""
-    bounds: tuple[tuple[str, float], ...] = ()
+    bounds: tuple[tuple[str, float | str], ...] = ()  # (phrase, a number or another parameter's name)
 
     def check(self, value: object) -> object:
         """`value` as this parameter takes it (an int for a float becomes a float), or a `ParameterError`."""
@@ -73,22 +80,35 @@ class Parameter:
         if not (_fits(self.type, value) and all(_fits(element or self.type, item) for item in items)):
             raise ParameterError(f"parameter {self.name} expects {self._described()}, got "
                                  f"{_given(value)}{_hint(self, value)}")
+        if element and not items:
+            raise ParameterError(f"parameter {self.name} needs at least one value, got []: e.g. "
+                                 f"-y \"{self.name}: {self.default!r}\"")
         for item in items:
             if isinstance(item, float) and not math.isfinite(item):
                 raise ParameterError(f"parameter {self.name} must be a finite number, got {item!r}: a run records "
                                      "its parameters as JSON, which has no inf or nan; pass a large finite value instead")
-            for phrase, bound in self.bounds:
+            for phrase, bound in self._number_bounds():
                 if not _BOUNDS[phrase](item, bound):
                     must = "must have each element" if element else "must be"
-                    raise ParameterError(f"parameter {self.name} {must} {phrase} {bound:g}, got {value!r} "
+                    raise ParameterError(f"parameter {self.name} {must} {phrase} {_number(bound)}, got {value!r} "
                                          f"(default {self.default!r})")
         if element == "float":
             return [float(item) for item in value]
         return float(value) if self.type == "float" else value
 
+    def _number_bounds(self) -> list[tuple[str, float]]:
+        numbers = [(phrase, bound) for phrase, bound in self.bounds if not isinstance(bound, str)]
+        numeric = self.type.removeprefix("list[").removesuffix("]") in ("int", "float")
+        has_ceiling = any(phrase in ("at most", "below") for phrase, _ in self.bounds)
+        return numbers if has_ceiling or not numeric else [*numbers, ("at most", UNDECLARED_CEILING)]
+
     def _described(self) -> str:
         kind = f"a list of {self.type[5:-1]}" if self.type.startswith("list[") else _with_article(self.type)
         return f"{kind} ({self.help}; default {self.default!r})" if self.help else f"{kind} (default {self.default!r})"
+
+
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 def _with_article(kind: str) -> str:
@@ -134,6 +154,11 @@ def declared_parameters(source: str, where: str = "the parameters cell") -> dict
     for node in ast.parse(source).body:
         parameter = _declaration(node, lines, comments, where)
         parameters[parameter.name] = parameter
+    for parameter in parameters.values():
+        for _, other in parameter.bounds:
+            if isinstance(other, str) and getattr(parameters.get(other), "type", None) not in ("int", "float"):
+                raise LabkitError(f"{where}: parameter {parameter.name} is bounded by {other!r}, which is not an "
+                                  "int or float parameter of this cell")
     return parameters
 
 
@@ -183,10 +208,14 @@ def _bounds(name: str, kind: str, help_text: str, where: str) -> tuple[tuple[str
             raise LabkitError(f"{where}: parameter {name} ({kind}) cannot be {clause.strip()!r}: bounds are for "
                               "numbers, and for a list of numbers they start with 'each'")
         if match["op"]:
-            bounds.append((match["op"], float(match["n"])))
+            bounds.append((match["op"], _operand(match["n"])))
         else:
-            bounds += [("at least", float(match["low"])), ("at most", float(match["high"]))]
+            bounds += [("at least", _operand(match["low"])), ("at most", _operand(match["high"]))]
     return tuple(reversed(bounds))
+
+
+def _operand(text: str) -> float | str:
+    return text if text[0].isalpha() or text[0] == "_" else float(text)
 
 
 def check_values(declared: Mapping[str, Parameter], given: Mapping[str, object],
@@ -199,7 +228,22 @@ def check_values(declared: Mapping[str, Parameter], given: Mapping[str, object],
         close = difflib.get_close_matches(unknown[0], list(declared), n=1)
         suggestion = f". Did you mean {close[0]}?" if close else ""
         raise ParameterError(f"{where} has no parameter {', '.join(unknown)}; allowed: {allowed}{suggestion}")
-    return {name: declared[name].check(value) for name, value in given.items()}
+    checked = {name: declared[name].check(value) for name, value in given.items()}
+    _check_together(declared, {**{name: p.default for name, p in declared.items()}, **checked})
+    return checked
+
+
+def _check_together(declared: Mapping[str, Parameter], values: Mapping[str, object]) -> None:
+    """A `ParameterError` naming both parameters where a bound naming another parameter fails."""
+    for parameter in declared.values():
+        value = values[parameter.name]
+        for phrase, other in parameter.bounds:
+            if isinstance(other, str) and not all(_BOUNDS[phrase](item, values[other])
+                                                  for item in (value if isinstance(value, list) else [value])):
+                raise ParameterError(
+                    f"parameters {parameter.name} and {other} do not fit together: {parameter.name} must be {phrase} "
+                    f"{other}, got {parameter.name}={value!r} with {other}={values[other]!r} (defaults "
+                    f"{parameter.name}={parameter.default!r}, {other}={declared[other].default!r}); change one of them")
 
 
 def check_parameters(namespace: Mapping[str, object]) -> None:

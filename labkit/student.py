@@ -14,8 +14,10 @@ import argparse
 import copy
 import difflib
 import json
+import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,22 +236,58 @@ def _locks(nbgrader: dict) -> dict:
 def write_student_edition(source: Path, destination: Path, *, force: bool = False) -> list[Path]:
     """Write the student edition of every ``source/NN_*.ipynb`` into ``destination``; return the paths.
 
-    Every notebook is transformed before anything is written, so a convention error leaves
-    ``destination`` untouched. Refuses to write into ``source``, to overwrite a file the generator
-    did not write, and (unless ``force``) to overwrite a learner's answers.
+    Every notebook is transformed and every target checked before anything is written, so a
+    convention error or a learner's work leaves ``destination`` untouched. Refuses to write into
+    ``source``, to overwrite a file the generator did not write, and (unless ``force``) to overwrite
+    a learner's answers. Each notebook is written whole (a temporary file renamed over the target)
+    and only if the target is still what was checked: a learner's save that lands meanwhile is kept.
     """
     source, destination = Path(source), Path(destination)
     paths = _source_notebooks(source, destination)
+    if destination.exists() and not destination.is_dir():
+        raise LabkitError(f"cannot write the student edition to {destination}: it is a file, not a folder; "
+                          "pass another DEST, or move the file away")
     editions = {
         destination / path.name: student_notebook(nbformat.read(path, as_version=4), path.name) for path in paths
     }
-    for target, edition in editions.items():
-        _check_overwrite(target, edition, force)
-    destination.mkdir(parents=True, exist_ok=True)
-    for target, edition in editions.items():
-        nbformat.write(edition, target)
-    _copy_companions(source, destination)
+    checked = {target: _check_overwrite(target, edition, force) for target, edition in editions.items()}
+    try:
+        destination.mkdir(parents=True, exist_ok=True)
+        for target, edition in editions.items():
+            _replace_if_unchanged(target, (nbformat.writes(edition) + "\n").encode("utf-8"), checked[target])
+        _copy_companions(source, destination)
+    except OSError as error:
+        where = error.filename or destination
+        raise LabkitError(f"cannot write the student edition to {where} ({error.strerror or error}): make "
+                          f"{destination} a writable folder, or pass another DEST") from error
     return list(editions)
+
+
+def _replace_if_unchanged(target: Path, data: bytes, checked: bytes | None) -> None:
+    """Write ``data`` to ``target`` atomically, only if ``target`` still holds ``checked`` (None: absent)."""
+    handle = tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp", delete=False)
+    temporary = Path(handle.name)
+    try:
+        with handle:
+            handle.write(data)
+        if checked is None:
+            os.link(temporary, target)  # fails, rather than overwrites, when a save created the target meanwhile
+        elif _contents(target) == checked:
+            os.replace(temporary, target)
+        else:
+            raise FileExistsError(target)
+    except FileExistsError:
+        raise LabkitError(f"{target} changed while the student edition was written (a save from JupyterLab?); "
+                          "it was kept as it is: run again to check it") from None
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _contents(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 # Pages the notebooks link to with relative links, so that the links work in the edition too.
@@ -276,11 +314,15 @@ def _source_notebooks(source: Path, destination: Path) -> list[Path]:
     return paths
 
 
-def _check_overwrite(target: Path, edition: nbformat.NotebookNode, force: bool) -> None:
-    if not target.exists():
-        return
+def _check_overwrite(target: Path, edition: nbformat.NotebookNode, force: bool) -> bytes | None:
+    """The bytes of ``target`` that were checked (None when it does not exist); a LabkitError when it must stay."""
+    if target.is_dir():
+        raise LabkitError(f"{target} is a folder; move it away, then run again")
+    checked = _contents(target)
+    if checked is None:
+        return None
     try:
-        existing = nbformat.read(target, as_version=4)
+        existing = nbformat.reads(checked.decode("utf-8"), as_version=4)
     except Exception as error:  # nbformat raises JSON, validation and OS errors alike for a damaged file
         raise LabkitError(f"cannot read {target} ({type(error).__name__}); move it away, then run again") from error
     if existing.metadata.get("labkit") != EDITION_METADATA:
@@ -291,13 +333,15 @@ def _check_overwrite(target: Path, edition: nbformat.NotebookNode, force: bool) 
             f"{target} holds {'; '.join(lost)}; regenerating would lose it. Move the notebook away to keep it, "
             "or pass --force to overwrite it"
         )
+    return checked
 
 
 def _lost_work(existing: nbformat.NotebookNode, edition: nbformat.NotebookNode) -> list[str]:
     """What overwriting an existing edition with ``edition`` would lose, as phrases for a message.
 
-    Every cell counts, not only the exercises: a learner's notes, edits to any cell and the
-    outputs of running the notebook (where its grades are stored for `progress`). A difference
+    Every cell counts, not only the exercises: a learner's notes, edits to any cell (its text, tags
+    or pasted attachments) and the outputs of running the notebook (where its grades are stored for
+    `progress`). A difference
     after the solution notebook itself changed is a false alarm, which --force settles.
     """
     old_cells, new_cells = existing.cells, edition.cells
@@ -316,14 +360,15 @@ def _lost_work(existing: nbformat.NotebookNode, edition: nbformat.NotebookNode) 
     with_outputs = [str(index + 1) for index, cell in enumerate(old_cells) if cell.get("outputs")]
     lost = [f"answers to exercise {', '.join(answered)}"] if answered else []
     if changed:
-        lost.append("cells you added or edited: " + ", ".join(changed))
+        lost.append("cells you added or edited (text, tags or attachments): " + ", ".join(changed))
     if with_outputs:
         lost.append(f"the outputs of cells {', '.join(with_outputs)} (your run, with its grades)")
     return lost
 
 
-def _cell_key(cell: dict) -> tuple[str, str]:
-    return cell["cell_type"], cell["source"]
+def _cell_key(cell: dict) -> tuple[str, str, tuple, str]:
+    tags = tuple(cell.get("metadata", {}).get("tags", ()))
+    return cell["cell_type"], cell["source"], tags, json.dumps(cell.get("attachments", {}), sort_keys=True)
 
 
 def main(argv: list[str]) -> int:

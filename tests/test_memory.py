@@ -634,3 +634,12 @@ def test_the_timeline_rises_in_forward_and_falls_in_backward_to_what_is_kept():
 def test_the_timeline_rejects_bad_phases(phases, problem):
     with pytest.raises(LabkitError, match=problem):
         memory.live_bytes_timeline(phases)
+
+
+def test_a_compiled_model_is_measured_as_its_eager_module_on_its_first_call():
+    # AP4: dynamo traced under labkit's global module hooks failed on the first call, blaming the model
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert memory.saved_bytes(compiled, x) == memory.saved_bytes(model, x) > 0

@@ -37,7 +37,7 @@ RUN_LIMIT_S = 300
 BAD_VALUES = [
     pytest.param({"bug": "false"}, r"^parameter bug expects a bool .*got the string 'false': pass -p bug False "
                  r"\(capitalised\) or -y \"bug: false\"$", id="bug-false-string"),
-    pytest.param({"steps": "ten"}, r"^parameter steps expects an int \(SGD steps, at least 1; default 30\), "
+    pytest.param({"steps": "ten"}, r"^parameter steps expects an int \(SGD steps, from 1 to 100000; default 30\), "
                  r"got the string 'ten': pass a number, e.g. -p steps 30$", id="steps-ten"),
     pytest.param({"stepz": 10}, r"^this notebook has no parameter stepz; allowed: seed \(default 0\), .*"
                  r"bug \(default True\)(, \w+ \(default [^)]*\))*\. Did you mean steps\?$", id="unknown-stepz"),
@@ -208,3 +208,32 @@ def test_a_py_twin_run_as_a_plain_script_is_checked_from_its_own_cells(tmp_path,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert outcome in run.stdout + run.stderr
     assert (run.returncode == 0) == steps.startswith("3")
+
+
+@pytest.mark.parametrize("notebook, given, message", [
+    ("00_start_here", {"steps": 1_000_000_000}, r"parameter steps must be at most 100000, got 1000000000"),
+    ("00_start_here", {"features": 10**6}, r"parameter features must be at most 1000, got 1000000"),
+    ("00_start_here", {"samples": 10**6}, r"parameter samples must be at most 100000, got 1000000"),
+    ("00_start_here", {"seed": 10**23}, r"parameter seed must be at most 4294967295, got 10{23}"),
+    ("00_start_here", {"lr": 1e308}, r"parameter lr must be at most 4294967295, got 1e\+308"),
+    ("02_gradients_accumulate", {"batch": 4, "micro_batches": 8},
+     r"parameters micro_batches and batch do not fit together: micro_batches must be at most batch, "
+     r"got micro_batches=8 with batch=4"),
+    ("02_gradients_accumulate", {"micro_batches": 64}, r"micro_batches=64 with batch=32"),
+    ("09_residual_design", {"depths": []}, r"parameter depths needs at least one value, got \[\]"),
+    ("09_residual_design", {"depths": [8, 10**6]}, r"parameter depths must have each element at most 1000"),
+])
+def test_out_of_range_and_inconsistent_values_are_refused_naming_the_parameters(notebook, given, message):
+    # PM6, PM7, PM11, PM12, PM15: each used to run (for days, or into a cell traceback) before this
+    with pytest.raises(ParameterError, match=message):
+        validate_parameters(NOTEBOOKS / f"{notebook}.ipynb", given)
+
+
+def test_a_bound_may_name_another_parameter_and_must_name_a_number_one():
+    declared = declared_parameters("batch: int = 8  # rows, at least 1\nparts: int = 2  # parts, from 1 to batch")
+    assert set(declared["parts"].bounds) == {("at least", 1.0), ("at most", "batch")}
+    assert check_values(declared, {"batch": 16, "parts": 16}) == {"batch": 16, "parts": 16}
+    with pytest.raises(ParameterError, match="parameters parts and batch do not fit together"):
+        check_values(declared, {"parts": 9})  # batch keeps its default, 8
+    with pytest.raises(Exception, match="bounded by 'name', which is not an int or float parameter"):
+        declared_parameters("name: str = 'x'  # a name\nparts: int = 2  # parts, at most name")

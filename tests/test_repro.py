@@ -248,3 +248,18 @@ def test_repro_holds_only_the_runtime_and_imports_no_course_tooling():
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not imported & {"labkit.claims", "labkit.probes", "labkit.runner", "labkit.notebooks"}, imported
     assert set(repro.__all__) == {"setup", "check_parameters", "seed_everything", "fastest_kernels"}
+
+
+def test_a_sweep_over_the_point_limit_is_refused_before_any_folder(make_notebook, tmp_path):
+    # DK12: a 10,000-point sweep was accepted and made 10,000 folders before its first run
+    nb = make_notebook("p", PARAMS, "print(1)")
+    seeds = "seed=" + ",".join(map(str, range(10_000)))
+    with pytest.raises(LabkitError, match=r"this sweep has 10000 points \(10000 seed\), more than the 100 .* "
+                                          r"--max-points 10000"):
+        runner.repro_main([str(nb), "--sweep", seeds, "--out", str(tmp_path / "big")])
+    with pytest.raises(LabkitError, match="this sweep has 4 points"):
+        runner.sweep(nb, {"seed": [0, 1], "steps": [1, 2]}, tmp_path / "small", max_points=3)
+    with pytest.raises(LabkitError, match="this sweep has 2 points"):
+        runner.cluster_sweep(nb, {"seed": [0, 1]}, tmp_path / "cluster", max_points=1)
+    assert not any(tmp_path.glob("big*")) and not (tmp_path / "small").exists() and not (tmp_path / "cluster").exists()
+    assert runner.check_point_count({"seed": [0, 1], "steps": [1, 2]}, max_points=4) == 4

@@ -215,6 +215,57 @@ def test_rerun_keeps_a_learners_answers_unless_forced(tmp_path):
     assert "return x + 1" not in nbformat.read(written, 4).cells[3].source
 
 
+@pytest.mark.parametrize("edit", ["tag", "attachment"])
+def test_rerun_keeps_a_learners_cell_tags_and_pasted_images(tmp_path, edit):
+    # ST3: only a cell's type and text were compared, so a tag or a pasted image was dropped without a word
+    source, destination = solution_source(tmp_path / "notebooks"), tmp_path / "student"
+    (written,) = student.write_student_edition(source, destination)
+    edition = nbformat.read(written, 4)
+    if edit == "tag":
+        edition.cells[1].metadata["tags"] = ["mine"]
+    else:
+        edition.cells.append(nbformat.v4.new_markdown_cell("![x](attachment:x.png)",
+                                                           attachments={"x.png": {"image/png": "iVBORw0KGgo="}}))
+        edition.cells[1].attachments = {"x.png": {"image/png": "iVBORw0KGgo="}}
+    nbformat.write(edition, written)
+    with pytest.raises(LabkitError, match=r"cells you added or edited \(text, tags or attachments\): cell 2"):
+        student.write_student_edition(source, destination)
+    assert nbformat.read(written, 4) == edition
+
+
+def test_a_save_landing_between_the_check_and_the_write_is_kept(tmp_path, monkeypatch):
+    # ST8: every target was checked, then all were written: a learner's save in between was overwritten
+    source, destination = solution_source(tmp_path / "notebooks"), tmp_path / "student"
+    (written,) = student.write_student_edition(source, destination)
+    answered = written.read_text().replace("Exercise 00.1: replace this line with your answer", "answered")
+    writes = nbformat.writes
+
+    def save_then_write(*args, **kwargs):  # the learner's save lands once every target has been checked
+        written.write_text(answered)
+        return writes(*args, **kwargs)
+
+    monkeypatch.setattr(nbformat, "writes", save_then_write)
+    with pytest.raises(LabkitError, match="changed while the student edition was written.*it was kept"):
+        student.write_student_edition(source, destination)
+    assert written.read_text() == answered
+    assert sorted(p.name for p in destination.iterdir()) == ["00_x.ipynb"]  # no temporary file left
+
+
+def test_an_unwritable_destination_is_a_clear_error(tmp_path, capsys):
+    # ST4, ST7: a read-only student/ or a DEST that is a file ended in a raw OSError
+    source = solution_source(tmp_path / "notebooks")
+    (tmp_path / "x.txt").write_text("a file")
+    assert labkit_main(["student", str(source), str(tmp_path / "x.txt")]) == 2
+    assert "cannot write the student edition to" in capsys.readouterr().err  # not a traceback
+    (written,) = student.write_student_edition(source, tmp_path / "student")
+    read_only = OSError(30, "Read-only file system", str(written))
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as patched:
+        patched.setattr(student.tempfile, "NamedTemporaryFile", lambda *a, **k: (_ for _ in ()).throw(read_only))
+        with pytest.raises(LabkitError, match=r"00_x.ipynb \(Read-only file system\): make .* a writable folder"):
+            student.write_student_edition(source, tmp_path / "student")
+
+
 def test_cli_writes_the_edition_and_reports_errors(tmp_path, capsys):
     source = solution_source(tmp_path / "notebooks")
     assert labkit_main(["student", str(source), str(tmp_path / "student")]) == 0

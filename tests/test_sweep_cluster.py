@@ -5,15 +5,19 @@ start and little more; the cluster tests are marked slow. A worker is killed for
 process, found as the parent of the papermill child that started the point's kernel).
 """
 
+import contextlib
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -68,6 +72,75 @@ def test_an_unreachable_scheduler_is_a_clear_error_within_the_timeout(make_noteb
                               connect_timeout=2)
     assert time.monotonic() - started < 2 + 10  # the timeout, plus the import of distributed on a busy machine
     assert not (tmp_path / "sweep").exists()
+
+
+def within(seconds: float, call):
+    """What `call()` raised or returned, from a daemon thread; an assertion error if it is still running after
+    `seconds` (the old code hung there: the thread is left behind rather than the test)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["returned"] = call()
+        except BaseException as error:  # noqa: BLE001 - the test looks at it
+            outcome["raised"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    return outcome
+
+
+@pytest.mark.parametrize("problem", ["silent port", "missing file", "not json"])
+def test_connect_timeout_bounds_a_silent_scheduler_and_a_missing_or_broken_scheduler_file(problem, make_notebook,
+                                                                                           tmp_path):
+    # DK1, DK2: a port that accepts and never answers held the Client forever; DK4: a missing scheduler
+    # file was waited for forever; DK5: a broken one ended in distributed's AssertionError
+    nb = make_notebook("p", PARAMS, METRIC)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        where = {"silent port": f"tcp://127.0.0.1:{silent.getsockname()[1]}",
+                 "missing file": str(tmp_path / "nofile.json"), "not json": str(tmp_path / "bad.json")}[problem]
+        (tmp_path / "bad.json").write_text("{not json")
+        outcome = within(60, lambda: cluster.cluster_sweep(nb, {"steps": [1, 2]}, tmp_path / "sweep", cluster=where,
+                                                           connect_timeout=2))
+    message = {"silent port": "within 2 s .*accepted the connection but never answered",
+               "missing file": "no scheduler file .*nofile.json after 2 s: start the scheduler",
+               "not json": "bad.json is not a scheduler file"}[problem]
+    assert isinstance(outcome.get("raised"), LabkitError), outcome
+    assert re.search(message, str(outcome["raised"])), outcome["raised"]
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_a_local_cluster_refuses_a_client_without_its_credentials_and_serves_no_dashboard(tmp_path):
+    # DK14: any local process could connect to the sweep's scheduler and run code on its workers
+    import distributed
+
+    spec = cluster.parse_cluster("local:1")
+    with cluster._local_settings(spec, distributed, tmp_path / ".dask"):
+        client, local = cluster._connect(distributed, spec, 60, tmp_path)
+        try:
+            address = local.scheduler_address
+            assert address.startswith("tls://127.0.0.1:")
+            assert len(client.run(os.getpid)) == 1  # the sweep's own client, with the credentials, is served
+            for intruder in ({"address": address.replace("tls://", "tcp://")},  # no TLS at all
+                             {"address": address, "security": distributed.Security.temporary()}):  # another CA
+                with pytest.raises(Exception) as refused:
+                    distributed.Client(**intruder, timeout=5).run(os.getpid)
+                assert not isinstance(refused.value, AssertionError)
+            http = f"http://127.0.0.1:{local.scheduler.http_server.port}"
+            assert urllib.request.urlopen(f"{http}/health", timeout=10).read() == b"ok"
+            for page in ("/status", "/info/main/workers.html", "/json/identity.json", "/metrics"):
+                with pytest.raises(urllib.error.HTTPError, match="404"):  # no dashboard, no info on the workers
+                    urllib.request.urlopen(http + page, timeout=10)
+            listening = {c.laddr.port for process in [psutil.Process(), *psutil.Process().children(recursive=True)]
+                         for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+            assert 8787 not in listening
+        finally:
+            cluster._close(client, local)
 
 
 def test_the_command_line_refuses_cluster_without_a_sweep_and_with_workers(make_notebook):
@@ -217,9 +290,54 @@ def test_ctrl_c_stops_the_running_point_and_closes_the_cluster_it_started(make_n
     assert process.returncode == 130, (stdout, stderr)
     assert time.monotonic() - interrupted < 60
     assert "labkit repro: interrupted" in stderr and "never started" in stderr, stderr
+    # DK7: the workers got the terminal's SIGINT too, died printing Dask's tracebacks and lost the running point
+    assert "Traceback" not in stdout + stderr and "ERROR" not in stdout + stderr, stderr
+    assert "1 stopped while running, with what they had made (hold=1)" in stderr, stderr
+    assert (out / "hold=1" / "k.ipynb").exists(), "the stopped point's partial notebook was not kept"
+    with (out / "sweep.csv").open(newline="") as handle:
+        assert [(row["hold"], row["status"]) for row in csv.DictReader(handle)] == [("1", "interrupted"),
+                                                                                   ("2", "interrupted")]
     time.sleep(2)  # the kernel polls for its parent once a second
     assert not running(kernel), "the running point's kernel outlived Ctrl-C"
     assert not [p.pid for p in started if running(p.pid)], "a worker, nanny or papermill process outlived Ctrl-C"
     statuses = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/k.result.json")}
     assert statuses == {"hold=1": "interrupted", "hold=2": "interrupted"}, statuses
     assert not (out / cluster.LOCAL_SCRATCH).exists()
+
+
+@pytest.mark.slow
+def test_a_scheduler_killed_mid_sweep_fails_its_points_and_the_table_is_written(make_notebook, tmp_path):
+    # DK9: a scheduler SIGKILLed mid-sweep ended in a raw KeyError: 'workers' and no sweep.csv
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    nb = make_notebook("k", f"ready = {str(ready)!r}\nhold = 0", KILLABLE)
+    scheduler_file = tmp_path / "scheduler.json"
+    dask = [str(Path(sys.executable).with_name("dask"))]
+    scheduler = subprocess.Popen([*dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                  "--scheduler-file", str(scheduler_file)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen([*dask, "worker", "--nthreads", "1", "--no-dashboard", "--scheduler-file",
+                               str(scheduler_file)], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = tmp_path / "sweep"
+    command = [sys.executable, "-m", "labkit", "repro", str(nb), "--sweep", "hold=1,2", "--cluster",
+               str(scheduler_file), "--connect-timeout", "30", "--out", str(out)]
+    try:
+        sweep = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while not list(ready.iterdir()):
+            assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
+            time.sleep(0.2)
+        scheduler.kill()
+        stdout, stderr = sweep.communicate(timeout=300)
+    finally:
+        leftovers = psutil.Process(worker.pid).children(recursive=True) if worker.poll() is None else []
+        for process in [*leftovers, scheduler, worker, sweep]:  # the worker's point's kernel sleeps on
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                process.kill()
+    assert sweep.returncode == 1, (stdout, stderr)
+    assert "Traceback" not in stderr and "KeyError" not in stderr, stderr
+    assert "the scheduler named in" in stdout and "was lost" in stdout, stdout
+    with (out / "sweep.csv").open(newline="") as handle:
+        assert [(row["hold"], row["status"]) for row in csv.DictReader(handle)] == [("1", "failed"), ("2", "failed")]

@@ -301,3 +301,9 @@ def test_every_torch_attribute_labkit_names_exists_in_this_torch():
     missing = [entry for source in sorted((root / "labkit").rglob("*.py"))
                for entry in missing_torch_attributes(str(source.relative_to(root)), [ast.parse(source.read_text())])]  # fmt: skip
     assert missing == [], "\n".join(missing)
+
+
+def test_compiled_original_is_the_module_torch_compile_wraps():
+    model = torch.nn.Linear(2, 2)
+    assert compat.compiled_original(model) is None
+    assert compat.compiled_original(torch.compile(model, backend="eager")) is model

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils.module_tracker import ModuleTracker
 
-from labkit._torch_compat import raw_saved_tensors
+from labkit._torch_compat import compiled_original, raw_saved_tensors
 from labkit.memory._common import (
     _OUTSIDE,
     _ROOT,
@@ -174,9 +174,11 @@ def saved_tensors(model: nn.Module, *inputs) -> SavedTensors:
     memory once), parameters, buffers and the inputs are left out, and every byte is attributed
     to the module that saved it first. The model's train/eval mode is used as is; gradient mode is
     switched on (under ``torch.no_grad()`` and ``torch.inference_mode()`` too); buffers (BatchNorm
-    statistics) and the RNG are restored afterwards. Works on the meta device too. Used in
-    ``13_memory``.
+    statistics) and the RNG are restored afterwards. Works on the meta device too. A
+    ``torch.compile`` model is measured as the eager module it wraps (what eager autograd saves; the
+    compiled graph's partitioner may keep other tensors). Used in ``13_memory``.
     """
+    model = compiled_original(model) or model
     _check_model(model)
     _check_inputs(inputs)
     counter = _SavedTensorCounter(model, inputs)

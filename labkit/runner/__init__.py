@@ -36,6 +36,8 @@ _HOMES = {
     "resolve_notebook": "labkit.runner.run",
     "run_notebook": "labkit.runner.run",
     "write_summary": "labkit.runner.summary",
+    "MAX_POINTS": "labkit.runner.sweeps",
+    "check_point_count": "labkit.runner.sweeps",
     "grid_points": "labkit.runner.sweeps",
     "parse_sweep": "labkit.runner.sweeps",
     "plot_sweep": "labkit.runner.sweeps",

@@ -1,7 +1,8 @@
 """Sweeps on a Dask cluster: each grid point runs on a `distributed` worker and its files come back here.
 
 ``python -m labkit repro NB --sweep ... --cluster local:N`` starts a LocalCluster of N worker
-processes (one point at a time each, loopback only, no dashboard); ``--cluster tcp://HOST:PORT`` or
+processes (one point at a time each, loopback only, no dashboard, TLS with credentials made for it
+alone, so no other local process can connect and run code on its workers); ``--cluster tcp://HOST:PORT`` or
 ``--cluster path/to/scheduler.json`` submits to a scheduler that is already running, such as one
 that dask-jobqueue started on Slurm or dask-kubernetes on Kubernetes (docs/RERUN.md, "Sweeps at scale").
 
@@ -16,12 +17,17 @@ that dies mid-point gets the point run once more on another worker, and a point 
 dies too is failed (the point counts its own starts; dask's ``retries=1`` covers a task that
 raised); Ctrl-C or SIGTERM asks the
 running points to stop (a distributed Event they watch), cancels the rest, and closes a cluster
-started here; a scheduler that cannot be reached within ``connect_timeout`` seconds is a
-LabkitError. `distributed` is imported only when a cluster is asked for (the ``cluster`` extra).
+started here (its workers ignore the terminal's Ctrl-C, which is the sweep's to handle); a scheduler
+that cannot be reached and answer within ``connect_timeout`` seconds, or a scheduler file that does
+not appear or holds no address, is a LabkitError; a scheduler lost mid-sweep fails the points it
+held and the sweep returns what finished. `distributed` is imported only when a cluster is asked for
+(the ``cluster`` extra).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -30,6 +36,7 @@ import multiprocessing
 import os
 import secrets
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -41,9 +48,10 @@ from labkit.errors import LabkitError
 from labkit.runner.paths import folder_name, inside, new_folder, require_empty_folder
 from labkit.runner.rerun_parameters import validate_parameters
 from labkit.runner.run import RunResult, check_timeout, run_notebook
-from labkit.runner.sweeps import grid_points
+from labkit.runner.sweeps import MAX_POINTS, check_point_count, grid_points
 
-__all__ = ["CONNECT_TIMEOUT", "LOCAL_SCRATCH", "ClusterSpec", "cluster_sweep", "parse_cluster"]
+__all__ = ["CONNECT_TIMEOUT", "LOCAL_SCRATCH", "ClusterSpec", "SweepInterrupted", "cluster_sweep", "dask_setup",
+           "parse_cluster"]
 
 CONNECT_TIMEOUT = 10.0
 """Seconds to reach a scheduler (and for it to have a worker) before giving up with a clear error."""
@@ -60,8 +68,22 @@ WATCH_JOIN_SECONDS = 10.0  # how long a finished point waits for its watcher's l
 # scheduler's own count (allowed-failures) charges a worker's death to every point assigned to it,
 # even one queued behind the point it was running, so on a cluster started here it is set high
 # enough never to decide first; a running scheduler keeps its own setting (3 by default).
-LOCAL_CLUSTER_CONFIG = {"distributed.scheduler.allowed-failures": 4 * MAX_TRIES}
+# The scheduler and each worker always serve HTTP (the scheduler on 8787 unless told otherwise): here only
+# the health check, on a free loopback port, and no dashboard.
+LOCAL_CLUSTER_CONFIG = {"distributed.scheduler.allowed-failures": 4 * MAX_TRIES,
+                        "distributed.scheduler.http.routes": ["distributed.http.health"],
+                        "distributed.worker.http.routes": ["distributed.http.health"]}
 ADDRESS_SCHEMES = ("tcp://", "tls://", "ucx://", "inproc://", "ws://", "wss://")
+SCHEDULER_FILE_POLL_SECONDS = 0.1  # how often a missing scheduler file is looked for, until connect_timeout
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a cluster sweep: ``results`` holds every point, in grid order, as it ended
+    (finished, "interrupted" while running, or "interrupted" before it started), so its table can be written."""
+
+    def __init__(self, message: str, results: list[RunResult]):
+        super().__init__(message)
+        self.results = results
 
 
 @dataclass(frozen=True)
@@ -103,10 +125,10 @@ def parse_cluster(text: str) -> ClusterSpec:
 def cluster_sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, fixed: dict | None = None,
                   timeout: float = 900, cluster: str | ClusterSpec = "local:2",
                   connect_timeout: float = CONNECT_TIMEOUT,
-                  progress: Callable[[str], None] | None = print) -> list[RunResult]:
+                  progress: Callable[[str], None] | None = print, max_points: int = MAX_POINTS) -> list[RunResult]:
     """`sweep.sweep` on a Dask cluster: the notebook at every grid point, one folder per point, in grid order.
 
-    `out_dir` must be new or empty; its point folders are named as a local sweep names them and get
+    `out_dir` must be new or empty (a grid of more than `max_points` points is refused first); its point folders are named as a local sweep names them and get
     the same files. `progress` receives plain lines (points done, running, failed, waiting; one line
     per finished point); None prints nothing. Ctrl-C or SIGTERM stops every point within seconds,
     keeps what finished, and raises KeyboardInterrupt naming it.
@@ -119,6 +141,7 @@ def cluster_sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Pa
     connect_timeout = check_timeout(connect_timeout, "connect_timeout")
     spec = cluster if isinstance(cluster, ClusterSpec) else parse_cluster(cluster)
     notebook = Path(notebook).resolve()
+    check_point_count(grid, max_points)
     points = [dict(fixed, **point) for point in grid_points(grid)]
     for point in points:
         validate_parameters(notebook, point)
@@ -143,6 +166,41 @@ def cluster_sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Pa
                 shutil.rmtree(out_dir / LOCAL_SCRATCH, ignore_errors=True)
 
 
+def _scheduler_file_address(path: Path, connect_timeout: float) -> str:
+    """The scheduler address a scheduler file holds, waiting up to `connect_timeout` s for the file to appear."""
+    deadline = time.monotonic() + connect_timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise LabkitError(f"no scheduler file {path} after {connect_timeout:g} s: start the scheduler with "
+                              f"`dask scheduler --scheduler-file {path}` first, check the path, or allow longer with "
+                              "--connect-timeout")
+        time.sleep(SCHEDULER_FILE_POLL_SECONDS)
+    try:
+        address = json.loads(path.read_text(encoding="utf-8"))["address"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise LabkitError(f"{path} is not a scheduler file ({type(error).__name__}: {error}): give the JSON that "
+                          "`dask scheduler --scheduler-file PATH` writes, or the scheduler's address") from None
+    if not isinstance(address, str) or not address.startswith(ADDRESS_SCHEMES):
+        raise LabkitError(f"{path} names no scheduler address (its 'address' is {address!r}): give the JSON that "
+                          "`dask scheduler --scheduler-file PATH` writes, or the scheduler's address")
+    return address
+
+
+def _handshake(distributed, address: str, seconds: float) -> None:
+    """Connect to `address` and exchange distributed's handshake within `seconds`, or raise TimeoutError/OSError.
+
+    distributed bounds the TCP connect by its timeout but waits for the handshake's answer without one,
+    so a port that accepts and never answers would hold the Client forever. Run in a thread of its own:
+    the caller may be inside a running event loop (a notebook)."""
+    async def exchange() -> None:
+        comm = await distributed.comm.connect(address, timeout=seconds,
+                                              **distributed.Security().get_connection_args("client"))
+        await comm.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, asyncio.wait_for(exchange(), seconds)).result()
+
+
 def _import_distributed():
     try:
         import distributed
@@ -155,26 +213,32 @@ def _import_distributed():
 def _connect(distributed, spec: ClusterSpec, connect_timeout: float, out_dir: Path):
     """(client, the LocalCluster started here or None); a LabkitError when the scheduler cannot be reached."""
     if spec.kind == "local":
+        # TLS with a key and certificate made for this cluster alone (kept in memory): a client or worker
+        # without them is refused, so another local process cannot run code on the sweep's workers
+        security = distributed.Security.temporary()
         local = distributed.LocalCluster(
-            n_workers=spec.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-            scheduler_port=0, dashboard_address=None, memory_limit=0,
-            # the scheduler's HTTP server (health, metrics) runs without a dashboard too: on a free port, not
-            # 8787, where a second sweep or a notebook's cluster would get "Port 8787 is already in use"
-            scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+            n_workers=spec.workers, threads_per_worker=1, processes=True, host="127.0.0.1", protocol="tls://",
+            security=security, scheduler_port=0, dashboard_address=None, memory_limit=0,
+            # the scheduler's HTTP server runs without a dashboard too: on a free port, not 8787, where a
+            # second sweep or a notebook's cluster would get "Port 8787 is already in use"
+            scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
             local_directory=str(out_dir / LOCAL_SCRATCH), silence_logs=logging.ERROR)
         try:
-            return distributed.Client(local, timeout=connect_timeout), local
+            return distributed.Client(local, security=security, timeout=connect_timeout), local
         except BaseException:
             local.close()
             raise
-    where = {"scheduler_file": spec.address} if spec.kind == "scheduler-file" else {"address": spec.address}
     started = time.monotonic()
     try:
-        client = distributed.Client(**where, timeout=connect_timeout)
+        address = spec.address
+        if spec.kind == "scheduler-file":
+            address = _scheduler_file_address(Path(spec.address), connect_timeout)
+        _handshake(distributed, address, max(connect_timeout - (time.monotonic() - started), 0.1))
+        client = distributed.Client(address, timeout=connect_timeout)
     except (OSError, TimeoutError) as error:
         seconds = time.monotonic() - started
         raise LabkitError(f"could not reach {spec.describe()} within {connect_timeout:g} s (gave up after "
-                          f"{seconds:.1f} s: {error}); start it first (docs/RERUN.md, Sweeps at scale), check the "
+                          f"{seconds:.1f} s: {str(error) or 'it accepted the connection but never answered'}); start it first (docs/RERUN.md, Sweeps at scale), check the "
                           "address, or allow longer with --connect-timeout") from error
     try:
         client.wait_for_workers(1, timeout=connect_timeout)
@@ -203,7 +267,7 @@ def _local_settings(spec: ClusterSpec, distributed, scratch: Path):
     if spec.kind != "local":
         yield
         return
-    config = {**LOCAL_CLUSTER_CONFIG, "temporary-directory": str(scratch)}
+    config = {**LOCAL_CLUSTER_CONFIG, "temporary-directory": str(scratch), "distributed.worker.preload": [__name__]}
     if "forkserver" not in multiprocessing.get_all_start_methods():
         with dask.config.set(config):
             yield
@@ -212,6 +276,14 @@ def _local_settings(spec: ClusterSpec, distributed, scratch: Path):
         context = distributed.utils.get_mp_context()  # distributed sets its own preload list once, here
         context.set_forkserver_preload(["distributed", __name__])
         yield
+
+
+def dask_setup(worker) -> None:
+    """Run by each worker of a cluster started here (its preload): the terminal's Ctrl-C reaches the whole
+    process group, but stopping the running points is the sweep's job (it asks them through an Event and
+    keeps what they made); a worker killed by it would lose its point and print Dask's tracebacks."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _close(client, local) -> None:
@@ -234,7 +306,8 @@ def _run_points(distributed, client, spec: ClusterSpec, notebook: Path, points: 
     """Keep as many points in flight as the cluster has worker threads; collect each as it finishes.
 
     Points wait here, not on the scheduler, so a worker that dies holds only the point it was
-    running, and only that point counts the death against its one retry.
+    running, and only that point counts the death against its one retry. A scheduler lost for good
+    (distributed gave up reconnecting) fails every point not finished yet; the finished ones stay.
     """
     token = secrets.token_hex(6)
     topic, stop_name = f"labkit-sweep-{token}", f"labkit-stop-{token}"
@@ -248,6 +321,12 @@ def _run_points(distributed, client, spec: ClusterSpec, notebook: Path, points: 
     last, threads, looked = "", {}, -math.inf
     try:
         while waiting or in_flight:
+            if client.status in ("closing", "closed"):
+                _scheduler_lost(spec, notebook, waiting, in_flight, results, say)
+                break
+            if client.status != "running":  # reconnecting: distributed gives it up to connect_timeout s
+                time.sleep(POLL_SECONDS)
+                continue
             if time.monotonic() - looked > WORKER_LOOK_SECONDS:  # the cluster may grow or shrink meanwhile
                 threads, looked = _threads_by_host(client), time.monotonic()
             while waiting and len(in_flight) < max(1, sum(threads.values())):
@@ -267,19 +346,37 @@ def _run_points(distributed, client, spec: ClusterSpec, notebook: Path, points: 
             if waiting or in_flight:
                 time.sleep(POLL_SECONDS)
     except KeyboardInterrupt as interrupt:
+        finished = len(results)
         for point in waiting:
-            _failed_point(point, notebook, "not started: the sweep was interrupted first", "interrupted")
-        stopped = _stop(distributed, client, stop_name, in_flight, results, notebook, say)
-        raise KeyboardInterrupt(f"{interrupt or 'interrupted'}; {len(results)} finished point(s) kept under "
-                                f"{folders[0].parent}, {stopped} stopped while running, {len(waiting)} never "
-                                "started") from interrupt
+            results[point.index] = _failed_point(point, notebook, "not started: the sweep was interrupted first",
+                                                 "interrupted")
+        running = [folder_name(p.values) for p in in_flight.values()]
+        _stop(distributed, client, stop_name, in_flight, results, notebook, say)
+        raise SweepInterrupted(f"{interrupt or 'interrupted'}; {finished} finished point(s) kept under "
+                               f"{folders[0].parent}; {len(running)} stopped while running, with what they had made "
+                               f"({', '.join(running) or 'none'}); {len(waiting)} never started",
+                               [results[i] for i in range(len(points))]) from interrupt
     return [results[i] for i in range(len(points))]
+
+
+def _scheduler_lost(spec: ClusterSpec, notebook: Path, waiting: list, in_flight: dict, results: dict,
+                    say: Callable[[str], None]) -> None:
+    """Every point not finished yet failed, naming the lost scheduler; the finished ones are kept as they are."""
+    lost = f"{spec.describe()} was lost (distributed could not reconnect to it)"
+    for point in in_flight.values():
+        results[point.index] = _failed_point(point, notebook, f"{lost} before this point's result came back")
+    for point in waiting:
+        results[point.index] = _failed_point(point, notebook, f"not started: {lost} first")
+    say(f"{lost}: {len(in_flight) + len(waiting)} point(s) failed with it, {len(results) - len(in_flight) - len(waiting)}"
+        " finished point(s) kept")
+    in_flight.clear()
+    waiting.clear()
 
 
 def _threads_by_host(client) -> dict[str, int]:
     """Host -> worker threads on it: each point's OMP_NUM_THREADS is the worker's usable cores over that number."""
     totals: dict[str, int] = {}
-    for worker in client.scheduler_info(n_workers=-1)["workers"].values():
+    for worker in client.scheduler_info(n_workers=-1).get("workers", {}).values():  # {} once the scheduler is gone
         totals[worker["host"]] = totals.get(worker["host"], 0) + worker["nthreads"]
     return totals
 
@@ -375,7 +472,7 @@ def _renamed(data: bytes, suffix: str, renames: dict[str, str]) -> bytes:
 
 
 def _stop(distributed, client, stop_name: str, pending: dict, results: dict, notebook: Path,
-          say: Callable[[str], None]) -> int:
+          say: Callable[[str], None]) -> None:
     """Ctrl-C: running points stop their own process trees and send back what they have; the rest is cancelled."""
     distributed.Event(stop_name, client=client).set()
     waiting = [p.future for p in pending.values() if not p.workers]
@@ -387,9 +484,8 @@ def _stop(distributed, client, stop_name: str, pending: dict, results: dict, not
         results[index] = _collect(pending.pop(index), notebook, say)
     client.cancel([p.future for p in pending.values()])
     for point in pending.values():
-        _failed_point(point, notebook, "cancelled: the sweep was interrupted before this point finished",
-                      "interrupted")
-    return len(pending)
+        results[point.index] = _failed_point(point, notebook, "cancelled: the sweep was interrupted before this "
+                                             "point finished", "interrupted")
 
 
 # ------------------------------------------------------------------------------------ on the worker

@@ -12,12 +12,21 @@ import sys
 from pathlib import Path
 
 from labkit.errors import LabkitError
-from labkit.runner.cluster import CONNECT_TIMEOUT, ClusterSpec, cluster_sweep, parse_cluster
+from labkit.runner.cluster import CONNECT_TIMEOUT, ClusterSpec, SweepInterrupted, cluster_sweep, parse_cluster
 from labkit.runner.paths import new_run_folder, safe_name
 from labkit.runner.rerun_parameters import parse_value, validate_parameters
 from labkit.runner.run import check_timeout, resolve_notebook, run_notebook
 from labkit.runner.summary import md_table
-from labkit.runner.sweeps import RUN_CODE_COLUMNS, grid_points, parse_sweep, sweep, sweep_table, write_sweep
+from labkit.runner.sweeps import (
+    MAX_POINTS,
+    RUN_CODE_COLUMNS,
+    check_point_count,
+    grid_points,
+    parse_sweep,
+    sweep,
+    sweep_table,
+    write_sweep,
+)
 
 __all__ = ["repro_main"]
 
@@ -31,6 +40,8 @@ def repro_main(argv: list[str]) -> int:
                         help="run the grid of every --sweep (e.g. --sweep batch_size=2,8,32 --sweep seed=0,1,2)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for each run")
     parser.add_argument("--workers", type=int, help="parallel runs in a sweep (default: half the cores)")
+    parser.add_argument("--max-points", type=int, default=MAX_POINTS,
+                        help=f"the most points a sweep may have (default {MAX_POINTS}); raise it to run a larger grid")
     parser.add_argument("--out", help="a new or empty output folder (default: runs/NOTEBOOK/TIME-SUFFIX)")
     parser.add_argument("--cluster", metavar="local:N|tcp://HOST:PORT|SCHEDULER_FILE",
                         help="run the sweep's points on Dask: a LocalCluster of N worker processes, a running "
@@ -55,11 +66,13 @@ def repro_main(argv: list[str]) -> int:
     if both:
         raise LabkitError(f"{', '.join(both)} is given with -p and with --sweep: drop the -p, or sweep one value")
     params = validate_parameters(notebook, given)
+    check_point_count(grid, args.max_points)
     for point in grid_points(grid):  # every point, before any folder is made
         validate_parameters(notebook, dict(params, **point))
     out = Path(args.out) if args.out else new_run_folder(Path("runs") / safe_name(notebook.stem))
     if args.sweep:
-        return _report_sweep(notebook, grid, params, out, timeout, args.workers, cluster, connect_timeout)
+        return _report_sweep(notebook, grid, params, out, timeout, args.workers, cluster, connect_timeout,
+                             args.max_points)
     result = run_notebook(notebook, out, params, timeout=timeout)
     print(f"{result.notebook}: {result.status} in {result.seconds:.1f} s -> {result.output}")
     if result.error:
@@ -78,12 +91,23 @@ def _given_once(pairs: list[list[str]]) -> dict[str, object]:
 
 
 def _report_sweep(notebook: Path, grid: dict, fixed: dict, out: Path, timeout: float, workers: int | None,
-                  cluster: ClusterSpec | None = None, connect_timeout: float = CONNECT_TIMEOUT) -> int:
+                  cluster: ClusterSpec | None = None, connect_timeout: float = CONNECT_TIMEOUT,
+                  max_points: int = MAX_POINTS) -> int:
     if cluster is None:
-        results = sweep(notebook, grid, out, fixed, timeout=timeout, workers=workers)
+        results = sweep(notebook, grid, out, fixed, timeout=timeout, workers=workers, max_points=max_points)
     else:
-        results = cluster_sweep(notebook, grid, out, fixed, timeout=timeout, cluster=cluster,
-                                connect_timeout=connect_timeout, progress=lambda line: print(line, flush=True))
+        try:
+            results = cluster_sweep(notebook, grid, out, fixed, timeout=timeout, cluster=cluster,
+                                    connect_timeout=connect_timeout, progress=lambda line: print(line, flush=True),
+                                    max_points=max_points)
+        except SweepInterrupted as interrupt:  # the table of what finished, then the interrupt as usual
+            _write_table(interrupt.results, grid, out)
+            raise
+    _write_table(results, grid, out)
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+def _write_table(results: list, grid: dict, out: Path) -> None:
     table = sweep_table(results, list(grid))
     written = write_sweep(table, out)
     shown = [column for column in table[0] if column not in RUN_CODE_COLUMNS]  # the files keep them, per point
@@ -94,4 +118,3 @@ def _report_sweep(notebook: Path, grid: dict, fixed: dict, out: Path, timeout: f
         if result.error:
             print(result.error, file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in written))
-    return 0 if all(r.status == "ok" for r in results) else 1

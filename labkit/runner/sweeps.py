@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -15,9 +16,13 @@ from labkit.runner.paths import folder_name, inside, new_folder, require_empty_f
 from labkit.runner.rerun_parameters import parse_value, validate_parameters
 from labkit.runner.run import RunResult, check_timeout, run_notebook
 
-__all__ = ["grid_points", "parse_sweep", "plot_sweep", "sweep", "sweep_table", "write_sweep"]
+__all__ = ["MAX_POINTS", "check_point_count", "grid_points", "parse_sweep", "plot_sweep", "sweep", "sweep_table",
+           "write_sweep"]
 
 RUN_CODE_COLUMNS = ("labkit_version", "git_commit")  # the last columns of a sweep's rows: which code ran each point
+MAX_POINTS = 100
+"""The most points a sweep runs unless asked for more (`max_points`, `repro --max-points`): a grid typed
+with one value too many can otherwise mean days of runs and thousands of folders."""
 
 
 def parse_sweep(specs: list[str]) -> dict[str, list]:
@@ -34,16 +39,29 @@ def parse_sweep(specs: list[str]) -> dict[str, list]:
     return grid
 
 
+def check_point_count(grid: dict[str, list], max_points: int = MAX_POINTS) -> int:
+    """The number of points of `grid`; a LabkitError, before anything is made, when it is over `max_points`."""
+    if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 1:
+        raise LabkitError(f"max_points must be a whole number >= 1, got {max_points!r}")
+    count = math.prod(len(values) for values in grid.values())
+    if count > max_points:
+        sizes = " x ".join(f"{len(values)} {name}" for name, values in grid.items())
+        raise LabkitError(f"this sweep has {count} points ({sizes}), more than the {max_points} a sweep runs "
+                          f"unless asked: sweep fewer values, or allow it deliberately with --max-points {count} "
+                          "(max_points= from Python)")
+    return count
+
+
 def grid_points(grid: dict[str, list]) -> list[dict]:
     """Every combination of the swept values, first name varying slowest."""
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
 def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, fixed: dict | None = None,
-          timeout: float = 900, workers: int | None = None) -> list[RunResult]:
+          timeout: float = 900, workers: int | None = None, max_points: int = MAX_POINTS) -> list[RunResult]:
     """Run the notebook at every grid point (in parallel where cores allow), one folder per point.
 
-    `out_dir` must be new or empty. Each point's folder is named by its values (made safe by
+    `out_dir` must be new or empty; a grid of more than `max_points` points is refused first. Each point's folder is named by its values (made safe by
     `paths.folder_name`, unique even for repeated values). Ctrl-C or SIGTERM stops every running
     point within seconds, records each, and raises KeyboardInterrupt naming what was kept.
     """
@@ -54,6 +72,7 @@ def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, fixe
     timeout = check_timeout(timeout)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise LabkitError(f"workers must be a whole number >= 1, got {workers!r}")
+    check_point_count(grid, max_points)
     points = [dict(fixed, **point) for point in grid_points(grid)]
     for point in points:
         validate_parameters(notebook, point)

@@ -77,10 +77,10 @@ from labkit.progress import track
 # %% tags=["parameters"]
 seed: int = 0  # seed of every random stream, at least 0
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-hidden: int = 32  # hidden units of the MLP, at least 1
-batch: int = 32  # images per SGD step, at least 1
-micro_batches: int = 4  # micro-batches a batch is split into (gradient accumulation), at least 1
-steps: int = 60  # SGD steps, at least 1
+hidden: int = 32  # hidden units of the MLP, from 1 to 4096
+batch: int = 32  # images per SGD step, from 1 to 4096
+micro_batches: int = 4  # micro-batches a batch is split into (gradient accumulation), from 1 to batch
+steps: int = 60  # SGD steps, from 1 to 100000
 lr: float = 0.5  # SGD learning rate, above 0
 bug: bool = True  # True runs the planted bug, False the fix
 

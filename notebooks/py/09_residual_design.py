@@ -63,12 +63,12 @@ from labkit.progress import track
 # %% tags=["parameters"]
 seed: int = 0  # seed of every random stream, at least 0
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-width: int = 32  # width of the residual stream, at least 1
-depths: list[int] = [8, 16, 32]  # residual block counts measured at initialisation, each at least 1
-seeds: int = 3  # seeds each depth is measured over, at least 1
-train_depths: list[int] = [8, 32]  # residual block counts that are trained, each at least 1
-train_steps: int = 40  # SGD steps of each training run, at least 1
-train_seeds: int = 2  # seeds each trained depth runs over, at least 1
+width: int = 32  # width of the residual stream, from 1 to 1024
+depths: list[int] = [8, 16, 32]  # residual block counts measured at initialisation, each from 1 to 1000
+seeds: int = 3  # seeds each depth is measured over, from 1 to 100
+train_depths: list[int] = [8, 32]  # residual block counts that are trained, each from 1 to 1000
+train_steps: int = 40  # SGD steps of each training run, from 1 to 100000
+train_seeds: int = 2  # seeds each trained depth runs over, from 1 to 100
 lr: float = 0.05  # SGD learning rate, above 0
 bug: bool = True  # True runs the planted bug, False the fix
 
