@@ -45,7 +45,7 @@ COMPAT_PIP := PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip --isola
 COMPAT_ENV := CUDA_HOME= CUDA_PATH=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup hooks lab lab-student notebooks workbook test test-unit test-notebooks test-compat test-browser test-gpu lint api student course workshop workshop-proxy workshop-learners workshop-password bench repro clean
+.PHONY: help setup hooks lab lab-student notebooks workbook site test test-unit test-notebooks test-compat test-browser test-gpu lint api student course workshop workshop-proxy workshop-learners workshop-password bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -74,6 +74,10 @@ lab: $(STAMP) ## open the workbook with its solutions (notebooks/) in JupyterLab
 lab-student: $(STAMP) ## open the student edition (student/, no solutions) in JupyterLab; writes it first if missing
 	@test -f student/00_start_here.ipynb || $(MAKE) --no-print-directory student
 	$(VENV)/bin/jupyter lab student/00_start_here.ipynb
+
+# The course website from the stored outputs (nothing executes), warnings as errors; site/build.py.
+site: $(STAMP) ## build the course website into site/_build/html (Sphinx, from the stored outputs, offline)
+	$(PY) site/build.py
 
 notebooks: $(STAMP) ## re-execute notebooks in place and sync their py/ twins (NB=05 for one; PREFER=py|ipynb)
 	$(PY) -m labkit execute $(NB) $(if $(PREFER),--prefer $(PREFER))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 __all__: list[str] = []
 
+DISTRIBUTION = "gradient-lab-workbook"
+"""pyproject.toml's project name, under which labkit is installed (a distribution called "labkit" is another project)."""
 UNKNOWN_VERSION = "0+unknown"
 """The version of a labkit that is neither installed nor imported from its source tree (PEP 440, sorts first)."""
 GIT_SECONDS = 5.0  # a git that answers later than this (a network file system) gives no commit, not a hang
@@ -26,7 +28,7 @@ def labkit_version() -> str:
     """The installed distribution's version; where labkit runs from a checkout that is not installed (the
     GPU runner's PYTHONPATH), the version in that checkout's pyproject.toml; else `UNKNOWN_VERSION`."""
     try:
-        return metadata.version("labkit")
+        return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return _source_tree_version()
 
@@ -36,7 +38,7 @@ def _source_tree_version() -> str:
         project = tomllib.loads((_SOURCE_TREE / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     except (OSError, tomllib.TOMLDecodeError, KeyError):
         return UNKNOWN_VERSION
-    return project["version"] if project.get("name") == "labkit" and "version" in project else UNKNOWN_VERSION
+    return project["version"] if project.get("name") == DISTRIBUTION and "version" in project else UNKNOWN_VERSION
 
 
 @functools.cache

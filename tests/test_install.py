@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 REPOSITORY = PYPROJECT["urls"]["Repository"]
+# What the first cell installs on Colab: the distribution's own name (tests/test_install_name.py), never "labkit".
+COLAB_INSTALL = f'install "{PYPROJECT["name"]}[lab] @ git+{REPOSITORY}"'
 # For the tests whose subject is labkit's or the repository's own text and logic (the range guard under a
 # faked torch version, the notebooks' first cell, the Makefile's check): the same on every stack, so
 # `make test-compat` leaves them out. What a newer stack can change stays in it: the installed torch
@@ -86,7 +88,9 @@ def test_the_installed_torch_imports_silently():
 def test_the_first_cell_guards_the_labkit_import_and_installs_from_the_declared_repository(notebook):
     source = first_code_cell(notebook).source
     assert source.startswith("import sys\n\ntry:"), "the guard must run before any other import"
-    assert f'"labkit[lab] @ git+{REPOSITORY}"' in source, "the install address must be pyproject's [project.urls]"
+    # IPython's %pip, not a subprocess: on Colab it says when the runtime must restart, and pip's progress shows
+    assert f"""\n    get_ipython().run_line_magic("pip", '{COLAB_INSTALL}')\n""" in source, \
+        "install pyproject's name from its [project.urls]"
 
 
 @pytest.fixture
@@ -99,10 +103,9 @@ def labkit_missing(monkeypatch):
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
 def test_without_labkit_the_first_cell_stops_with_the_install_command(labkit_missing, notebook):
     with pytest.raises(ModuleNotFoundError) as stopped:
-        exec(install_guard(notebook), {"sys": sys})
+        exec(install_guard(notebook), {"sys": sys, "get_ipython": pytest.fail})
     message = str(stopped.value)
-    assert "make setup" in message
-    assert f'"{sys.executable}" -m pip install "labkit[lab] @ git+{REPOSITORY}"' in message
+    assert "make setup" in message and "the pip install below" in message
     assert stopped.value.__suppress_context__, "the message stands alone, without the import's own traceback"
 
 
@@ -110,10 +113,10 @@ def test_without_labkit_the_first_cell_stops_with_the_install_command(labkit_mis
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
 def test_on_colab_the_first_cell_installs_labkit_from_the_repository(labkit_missing, monkeypatch, notebook):
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
-    commands = []
-    monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append((command, check)))
-    exec(install_guard(notebook), {"sys": sys})
-    assert commands == [([sys.executable, "-m", "pip", "install", "--quiet", f"labkit[lab] @ git+{REPOSITORY}"], True)]
+    magics = []
+    ipython = types.SimpleNamespace(run_line_magic=lambda name, line: magics.append((name, line)))
+    exec(install_guard(notebook), {"sys": sys, "get_ipython": lambda: ipython})
+    assert magics == [("pip", COLAB_INSTALL)]
 
 
 @pytest.mark.slow
@@ -134,7 +137,7 @@ def test_papermill_stops_at_the_first_cell_in_a_kernel_without_labkit(tmp_path, 
                                    kernel_name="no-labkit", cwd=str(tmp_path), progress_bar=False)
     assert failed.value.exec_count == 1, "the run must stop at the first code cell"
     assert failed.value.ename == "ModuleNotFoundError"
-    assert "make setup" in failed.value.evalue and f"git+{REPOSITORY}" in failed.value.evalue
+    assert "make setup" in failed.value.evalue and "pip install below" in failed.value.evalue
     executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     ran = [cell for cell in executed.cells if cell.cell_type == "code" and cell.get("execution_count")]
     assert len(ran) == 1, "no later cell runs, so no cascade of NameErrors"
@@ -161,13 +164,13 @@ def test_installing_the_project_keeps_a_supported_torch_already_there(tmp_path):
     assert result.returncode == 0, result.stderr
     installs = {item["metadata"]["name"].lower(): item["metadata"]["version"]
                 for item in json.loads(report.read_text())["install"]}
-    assert "labkit" in installs and "numpy" in installs, "the report must list what pip would install"
+    assert PYPROJECT["name"] in installs and "numpy" in installs, "the report must list what pip would install"
     assert "torch" not in installs, f"pip would replace the installed torch 2.14.1 with {installs.get('torch')}"
 
 
 # ---- The licence ships with every copy ---------------------------------------------------------------------
 
-def test_the_wheel_and_the_sdist_carry_the_mit_licence(tmp_path):
+def test_the_wheel_and_the_sdist_carry_the_mit_licence_and_the_sdist_no_tests(tmp_path):
     # MIT asks for its notice in every copy: the LICENSE file, named by License-File in the metadata.
     # Built from a copy of what setuptools reads (no build/ or egg-info left in the checkout), with the
     # installed setuptools (pyproject's build requirement), through the PEP 517 hooks pip and build call.
@@ -176,19 +179,22 @@ def test_the_wheel_and_the_sdist_carry_the_mit_licence(tmp_path):
     assert PYPROJECT["license"] == "MIT" and PYPROJECT["license-files"] == ["LICENSE"]
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "tests", source / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "labkit", source / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
     code = "from setuptools import build_meta as b; b.build_wheel('dist'); b.build_sdist('dist')"
     result = subprocess.run([sys.executable, "-c", code], cwd=source, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    stem = f"labkit-{PYPROJECT['version']}"
+    stem = f"{PYPROJECT['name'].replace('-', '_')}-{PYPROJECT['version']}"
     with zipfile.ZipFile(source / "dist" / f"{stem}-py3-none-any.whl") as wheel:
         wheel_metadata = wheel.read(f"{stem}.dist-info/METADATA").decode()
         assert wheel.read(f"{stem}.dist-info/licenses/LICENSE").decode() == licence
     with tarfile.open(source / "dist" / f"{stem}.tar.gz") as sdist:
         sdist_metadata = sdist.extractfile(f"{stem}/PKG-INFO").read().decode()
         assert sdist.extractfile(f"{stem}/LICENSE").read().decode() == licence
+        # the tests run from a checkout only (conftest, helpers, notebooks): an sdist with some would not collect
+        assert [name for name in sdist.getnames() if name.startswith(f"{stem}/tests")] == []
     for metadata in (wheel_metadata, sdist_metadata):
         assert "License-Expression: MIT" in metadata.splitlines()
         assert "License-File: LICENSE" in metadata.splitlines()

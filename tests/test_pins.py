@@ -27,11 +27,11 @@ def project():
 
 
 def declared_requirements():
-    """Every requirement pyproject declares, core and extras, except the extras' references to labkit itself."""
+    """Every requirement pyproject declares, core and extras, except the extras' references to the project itself."""
     table = project()
     requirements = [Requirement(line) for line in table["dependencies"]]
     for extra in table["optional-dependencies"].values():
-        requirements += [Requirement(line) for line in extra if Requirement(line).name != "labkit"]
+        requirements += [Requirement(line) for line in extra if Requirement(line).name != table["name"]]
     return requirements
 
 
@@ -47,7 +47,7 @@ def lock(file):
 def test_the_extras_install_today_s_full_set():
     # make setup installs .[dev]; dev pulls lab and runner, so setup still installs every package it did.
     extras = project()["optional-dependencies"]
-    assert "labkit[lab,runner]" in extras["dev"]
+    assert f"{project()['name']}[lab,runner]" in extras["dev"]
     core = {normalise(r.name) for r in map(Requirement, project()["dependencies"])}
     assert {"torch", "numpy", "matplotlib", "psutil"} <= core
     assert not core & {"jupyterlab", "papermill", "nbformat", "pytest"}, "core must not pull a Jupyter stack"
@@ -73,7 +73,7 @@ def test_each_lock_pins_exactly_and_once(file):
     names = [normalise(line.split("==")[0]) for line in (ROOT / file).read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     assert len(names) == len(set(names)), f"{file} pins a package twice"
-    assert "labkit" not in names, f"{file} must not pin labkit itself"
+    assert normalise(project()["name"]) not in names, f"{file} must not pin the project itself"
 
 
 def test_the_course_lock_is_torch_2_13_and_the_latest_lock_is_newer():

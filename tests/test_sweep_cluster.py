@@ -27,7 +27,7 @@ from labkit import LabkitError, runner
 from labkit.runner import cluster
 from labkit.runner.paths import folder_name
 
-pytest.importorskip("distributed", reason="the cluster extra is not installed: pip install 'labkit[cluster]'")
+pytest.importorskip("distributed", reason="the cluster extra is not installed: pip install -e '.[cluster]'")
 
 PARAMS = "seed = 0\nsteps = 1"
 RAISES = "if steps == 3 and seed == 5:\n    raise ValueError('steps=3 with seed=5 is the planted failure')"

@@ -35,7 +35,9 @@ def head() -> str | None:
 
 
 def test_the_version_has_one_source_pyproject_through_the_installed_metadata():
-    assert labkit.__version__ == metadata.version("labkit") == PYPROJECT_VERSION
+    # read under the project's own name: a distribution called "labkit" (PyPI's) would be another's version
+    assert _version.DISTRIBUTION == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    assert labkit.__version__ == metadata.version(_version.DISTRIBUTION) == PYPROJECT_VERSION
 
 
 def test_python_m_labkit_version_names_the_version_and_the_checkouts_commit():

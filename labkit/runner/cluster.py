@@ -57,7 +57,7 @@ CONNECT_TIMEOUT = 10.0
 """Seconds to reach a scheduler (and for it to have a worker) before giving up with a clear error."""
 LOCAL_SCRATCH = ".dask"
 """The local directory of a cluster started here, inside the sweep folder; removed when the sweep ends."""
-INSTALL_HINT = "pip install 'labkit[cluster]'"
+INSTALL_HINT = "pip install -e '.[cluster]' in the repository"
 MAX_TRIES = 2  # a point whose worker died is run once more, then failed
 WORKER_LOOK_SECONDS = 2.0  # how often the client re-reads the cluster's workers (how many points fit at once)
 POLL_SECONDS = 0.25  # how often the client looks at its futures and the workers' start events

@@ -38,16 +38,12 @@
 # %%
 import sys
 
-try:  # labkit holds the workbook's instruments; without it, say how to install it (Colab: install it)
+try:  # labkit holds the workbook's instruments: on Colab this cell installs it, elsewhere it says how (README, Install)
     import labkit  # noqa: F401
-except ModuleNotFoundError as missing:
-    LABKIT = "labkit[lab] @ git+https://github.com/gradient-lab/gradient-lab"
+except ModuleNotFoundError:
     if "google.colab" not in sys.modules:
-        raise ModuleNotFoundError(f'{missing}. Install the workbook for this kernel: `make setup` in the '
-                                  f'repository (README, Install), or "{sys.executable}" -m pip install "{LABKIT}"') from None
-    import subprocess
-
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LABKIT], check=True)
+        raise ModuleNotFoundError("no labkit in this kernel: `make setup` in the repository, or run the pip install below in this kernel") from None
+    get_ipython().run_line_magic("pip", 'install "gradient-lab-workbook[lab] @ git+https://github.com/gradient-lab/gradient-lab"')
 
 import matplotlib.pyplot as plt
 import torch
