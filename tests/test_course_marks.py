@@ -79,9 +79,33 @@ def test_mark_refuses_an_exercise_the_registry_does_not_give_the_notebook_and_wr
     assert path.read_text() == before
 
 
-def test_mark_cli_reports_what_it_did(capsys):
+def test_every_committed_notebook_is_marked():
+    for path in workbook_notebooks():
+        assert marks.marked(nbformat.read(path, 4), path.name) == [], f"run python -m labkit course mark {path.stem[:2]}"
+
+
+def test_a_lab_check_cell_is_marked_and_kept(tmp_path):
+    path = copy_pair(tmp_path)
+    nb = nbformat.read(path, 4)
+    lab_cell = next(cell for cell in nb.cells if cell.source.startswith("labs.check("))
+    assert lab_cell.metadata["nbgrader"] == marks.lab_check_metadata(path.name)
+    assert lab_cell.metadata["nbgrader"]["grade_id"] == "check_lab_00" and lab_cell.metadata["nbgrader"]["locked"]
+    del lab_cell.metadata["nbgrader"]
+    nbformat.write(nb, path)
+    assert marks.mark_notebooks([path]) == {path: ["00.lab"]}
+    assert marks.mark_notebooks([path]) == {}
+
+
+def test_mark_cli_reports_what_it_did(tmp_path, monkeypatch, capsys):
+    path = copy_pair(tmp_path)  # a copy: the command writes where a mark is missing, never into the checkout
+    monkeypatch.setattr("labkit.course.cli.select_notebooks", lambda names: [path])
     assert labkit_main(["course", "mark", "00"]) == 0
     assert "every check cell already carries its nbgrader test metadata" in capsys.readouterr().out
+    nb = nbformat.read(path, 4)
+    del next(cell for cell in nb.cells if marks.checked_exercise(cell, "cell") == "00.2").metadata["nbgrader"]
+    nbformat.write(nb, path)
+    assert labkit_main(["course", "mark", "00"]) == 0
+    assert f"{path.name}: check cells of 00.2 marked as nbgrader tests (and its py twin)" in capsys.readouterr().out
 
 
 def wrong_step(model, optimizer, x, y):

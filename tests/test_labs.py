@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit import grading
 from labkit.labs import _lab00, _lab02, _lab05, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
@@ -293,10 +294,14 @@ def test_a_repair_that_raises_is_reported_not_raised():
 def test_hints_escalate_and_the_last_points_to_the_notebook_section():
     lab = lab_of("05")
     messages = [check_lab("05", "05.b", lab.causes[0].name, _lab05.recalibrate, seed=0, try_number=n).message
-                for n in (1, 2, 3, 4)]
+                for n in (1, 2, 3, 4, 5)]
     assert lab.hints[0] in messages[0] and "its hint says more" in messages[0]
-    assert lab.hints[1] in messages[1]
-    assert lab.hints[2] in messages[2] and "cases D2 and D4" in lab.hints[2] and messages[3] == messages[2]
+    # The last hint waits for try grading.RECIPE_TRY, as an exercise's recipe does; the one before it
+    # repeats until then, without promising more on the try that gives nothing new.
+    assert grading.RECIPE_TRY == 4
+    assert lab.hints[1] in messages[1] and "its hint says more" not in messages[1]
+    assert lab.hints[1] in messages[2] and "its hint says more" in messages[2]
+    assert lab.hints[2] in messages[3] and "cases D2 and D4" in lab.hints[2] and messages[4] == messages[3]
 
 
 # --- the draw ---

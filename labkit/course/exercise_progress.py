@@ -27,6 +27,7 @@ import nbformat
 from labkit import grading, student
 from labkit.errors import LabkitError
 from labkit.exercises import exercise_order, registry
+from labkit.labs import catalogue as lab_catalogue
 from labkit.notebooks import NOTEBOOK_GLOB
 from labkit.records import stored_records
 
@@ -203,12 +204,15 @@ def course_progress(folder: Path) -> list[Progress]:
         raise LabkitError(f"no notebooks in {folder}: pass the folder that holds your executed student notebooks")
     known = registry()
     grades = _merge_grades(paths)
+    labs = {f"{lab['id']}.lab": lab for lab in lab_catalogue()}
     rows = [_progress_row(spec.notebook, spec.id, spec.title, grades.get(spec.id)) for spec in known.values()]
+    rows += [_progress_row(lab["notebook"], grade_id, f"Lab: {lab['title']}", grades.get(grade_id))
+             for grade_id, lab in labs.items()]
     # A notebook from an older or newer course edition may grade an exercise this labkit does not know.
     rows += [
         _progress_row(payload["notebook"], eid, "(not in this labkit)", payload)
         for eid, payload in grades.items()
-        if eid not in known
+        if eid not in known and eid not in labs
     ]
     return sorted(rows, key=lambda row: exercise_order(row.exercise))
 

@@ -123,9 +123,10 @@ def registry() -> dict[str, Exercise]:
     return dict(sorted(_REGISTRY.items(), key=lambda item: exercise_order(item[0])))
 
 
-def exercise_order(exercise_id: str) -> tuple[int, ...]:
-    """Sort key putting ``00.2`` before ``00.10``."""
-    return tuple(int(number) for number in re.findall(r"\d+", exercise_id))
+def exercise_order(exercise_id: str) -> tuple[float, ...]:
+    """Sort key putting ``00.2`` before ``00.10``, and a notebook's lab (``00.lab``) after its exercises."""
+    numbers = tuple(int(number) for number in re.findall(r"\d+", exercise_id))
+    return numbers + (math.inf,) if exercise_id.endswith(".lab") else numbers
 
 
 def torch_error_clause(error: RuntimeError) -> str:

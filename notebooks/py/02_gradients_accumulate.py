@@ -1221,7 +1221,7 @@ grading.score()
 # %% [markdown]
 # ## Debugging lab 02: an accumulated, clipped training step
 # A new run: a small regression network trained with gradient accumulation over micro-batches and
-# gradient clipping (some inputs come from a faulty sensor, which is why it clips). One thing in its
+# [gradient clipping](GLOSSARY.md#gradient-clipping) (some inputs come from a faulty sensor, which is why it clips). One thing in its
 # step is wrong, drawn for you from this notebook's family. `labs.start` prints what you would see,
 # the causes you may choose from (decoys included) and the stages you may rewrite; investigate with
 # the run's objects (`lab.model`, `lab.optimizer`, `lab.x`, `lab.y`, `lab.losses`, `lab.grad_norms`),

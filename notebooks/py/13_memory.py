@@ -557,7 +557,7 @@ else:
 
 
 # %% [markdown]
-# **Verdict.** "Right at the limit" holds if the float32 estimate is within 10% of 80 GB, partly if
+# **[Verdict](GLOSSARY.md#verdict).** "Right at the limit" holds if the float32 estimate is within 10% of 80 GB, partly if
 # it is within half of it, and does not hold further away; set `resnet_batch` to move it.
 
 # %%
