@@ -84,16 +84,14 @@ def test_every_committed_notebook_is_marked():
         assert marks.marked(nbformat.read(path, 4), path.name) == [], f"run python -m labkit course mark {path.stem[:2]}"
 
 
-def test_a_lab_check_cell_is_marked_and_kept(tmp_path):
-    path = copy_pair(tmp_path)
-    nb = nbformat.read(path, 4)
-    lab_cell = next(cell for cell in nb.cells if cell.source.startswith("labs.check("))
-    assert lab_cell.metadata["nbgrader"] == marks.lab_check_metadata(path.name)
-    assert lab_cell.metadata["nbgrader"]["grade_id"] == "check_lab_00" and lab_cell.metadata["nbgrader"]["locked"]
-    del lab_cell.metadata["nbgrader"]
-    nbformat.write(nb, path)
-    assert marks.mark_notebooks([path]) == {path: ["00.lab"]}
-    assert marks.mark_notebooks([path]) == {}
+def test_a_lab_check_cell_is_no_nbgrader_test_yet():
+    # nbgrader's isolated regrade (labkit.course.isolated_autograde) knows exercises, not labs: a graded
+    # lab cell would score whatever the learner's kernel makes it print (unset NBGRADER_EXECUTION and
+    # it passes), so labs count in the learner's kernel and in `progress --stored` only, for now.
+    for path in workbook_notebooks():
+        for cell in nbformat.read(path, 4).cells:
+            if cell.cell_type == "code" and cell.source.startswith("labs.check("):
+                assert "nbgrader" not in cell.metadata, path.name
 
 
 def test_mark_cli_reports_what_it_did(tmp_path, monkeypatch, capsys):

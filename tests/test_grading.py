@@ -374,3 +374,11 @@ def test_ctrl_c_while_the_grading_process_runs_says_so_and_propagates(fresh_sess
         grading.check("00.1", namespace["one_training_step"])
     assert "check interrupted, no verdict recorded" in capsys.readouterr().out
     assert grading._SESSION == {}
+
+
+def test_a_check_that_changes_torchs_thread_count_restores_it_itself():
+    # 16.1's check runs single-threaded; a caller outside grading's sandbox keeps its own count
+    threads = torch.get_num_threads()
+    with pytest.raises(exercises.NotYet):
+        exercises.registry()["16.1"].check(lambda blocks, x, per_segment: x)
+    assert torch.get_num_threads() == threads

@@ -43,12 +43,12 @@ def test_l1_verdict_follows_the_measured_lead(tmp_path, alert_factor, verdict):
     else:
         assert lead == "none"
     assert isinstance(result.metrics["first_exploding_alert"], int)
-    # what fires first: the first layer's update:data ratio passes 1e-2 long before the loss alarm (in
-    # the capped twin too), and passes the twin's plateau later, still before the loss alarm
+    # what fires first: the first layer's update:data ratio passes the capped twin's plateau long before
+    # the loss alarm, and 1e-2 later, still before it; the twin, capped at 0.05, never reaches 1e-2
     ratio_lead, plateau_lead = result.metrics["ratio_signal_lead"], result.metrics["plateau_signal_lead"]
     assert isinstance(ratio_lead, int) and isinstance(plateau_lead, int)
-    assert ratio_lead > plateau_lead > 0 and ratio_lead >= 50
-    assert isinstance(result.metrics["twin_ratio_signal_step"], int)
+    assert plateau_lead > ratio_lead > 0 and plateau_lead >= 200
+    assert result.metrics["twin_ratio_signal_step"] == "none"
 
 
 def test_capped_warmup_gives_no_loss_signal_to_warn_of(tmp_path, student_editions):
@@ -61,4 +61,4 @@ def test_capped_warmup_gives_no_loss_signal_to_warn_of(tmp_path, student_edition
     assert result.metrics["first_exploding_alert"] == "none"
     # the run is its own capped twin: it never passes the twin's plateau, and no loss alarm to lead
     assert result.metrics["plateau_signal_lead"] == "none" and result.metrics["ratio_signal_lead"] == "none"
-    assert isinstance(result.metrics["twin_ratio_signal_step"], int)
+    assert result.metrics["twin_ratio_signal_step"] == "none"  # capped at 0.05, it never reaches 1e-2

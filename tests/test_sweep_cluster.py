@@ -56,7 +56,7 @@ def test_cluster_specs_parse_and_bad_ones_say_what_to_give():
 def test_without_distributed_the_error_names_the_extra(monkeypatch, make_notebook, tmp_path):
     nb = make_notebook("p", PARAMS, METRIC)
     monkeypatch.setitem(sys.modules, "distributed", None)  # import distributed now raises ImportError
-    with pytest.raises(LabkitError, match=r"pip install 'labkit\[cluster\]'"):
+    with pytest.raises(LabkitError, match=re.escape(cluster.INSTALL_HINT)):
         cluster.cluster_sweep(nb, {"steps": [1, 2]}, tmp_path / "sweep", cluster="local:1")
     assert not (tmp_path / "sweep").exists()
 

@@ -3,14 +3,12 @@
 `python -m labkit course mark [NAMES]` finds each `grading.check("NN.K", function)` cell, checks that
 ``NN.K`` is an exercise the registry (`labkit.exercises`) gives to that notebook, and sets the cell's
 nbgrader metadata to `labkit.student.check_metadata` in the .ipynb (outputs kept) and in its py twin.
-A debugging lab's `labs.check(lab, ...)` cell gets the same kind of test metadata, as ``check_lab_NN``.
 It executes nothing and is idempotent, so it can be rerun after any merge that added or rewrote an
 exercise; `make student` and `make course` refuse a check cell without it.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import nbformat
@@ -21,8 +19,6 @@ from labkit.exercises import registry
 from labkit.notebooks import pair_differences, paired_script, write_script
 
 __all__: list[str] = []
-
-LAB_CHECK_CALL = re.compile(r"^labs\.check\(", re.MULTILINE)
 
 
 def checked_exercise(cell: dict, where: str) -> str | None:
@@ -57,12 +53,6 @@ def marked(nb: nbformat.NotebookNode, name: str) -> list[str]:
         where = f"{name} cell {index + 1}"
         exercise_id = checked_exercise(cell, where)
         current = cell.get("metadata", {}).get("nbgrader")
-        if exercise_id is None and cell["cell_type"] == "code" and LAB_CHECK_CALL.search(cell["source"]):
-            lab_test = lab_check_metadata(name)
-            if current != lab_test:
-                cell.metadata["nbgrader"] = lab_test
-                changed.append(f"{name[:2]}.lab")
-            continue
         if exercise_id is None:
             if current is not None and current.get("grade") and not current.get("solution"):
                 del cell.metadata["nbgrader"]
@@ -73,12 +63,6 @@ def marked(nb: nbformat.NotebookNode, name: str) -> list[str]:
             cell.metadata["nbgrader"] = student.check_metadata(exercise_id)
             changed.append(exercise_id)
     return changed
-
-
-def lab_check_metadata(name: str) -> dict:
-    """The nbgrader test metadata of the lab check cell in notebook ``name`` (``check_lab_NN``, one point)."""
-    return {"grade": True, "grade_id": f"check_lab_{name[:2]}", "locked": True, "points": student.CHECK_POINTS,
-            "schema_version": 3, "solution": False}
 
 
 def mark_notebooks(paths: list[Path]) -> dict[Path, list[str]]:

@@ -38,6 +38,8 @@ try:  # labkit holds the workbook's instruments: on Colab this cell installs it,
 except ModuleNotFoundError:
     if "google.colab" not in sys.modules:
         raise ModuleNotFoundError("no labkit in this kernel: `make setup` in the repository, or run the pip install below in this kernel") from None
+    from IPython import get_ipython
+
     get_ipython().run_line_magic("pip", 'install "gradient-lab-workbook[lab] @ git+https://github.com/gradient-lab/gradient-lab"')
 
 import collections
@@ -1244,7 +1246,7 @@ def diagnose(lab):
     raise NotImplementedError("Lab 02: replace these two lines with your answer")
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_lab_02", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+# %%
 labs.check(lab, diagnose)
 
 # %% [markdown]

@@ -34,6 +34,8 @@ try:  # labkit holds the workbook's instruments: on Colab this cell installs it,
 except ModuleNotFoundError:
     if "google.colab" not in sys.modules:
         raise ModuleNotFoundError("no labkit in this kernel: `make setup` in the repository, or run the pip install below in this kernel") from None
+    from IPython import get_ipython
+
     get_ipython().run_line_magic("pip", 'install "gradient-lab-workbook[lab] @ git+https://github.com/gradient-lab/gradient-lab"')
 
 import inspect

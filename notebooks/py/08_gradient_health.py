@@ -38,6 +38,8 @@ try:  # labkit holds the workbook's instruments: on Colab this cell installs it,
 except ModuleNotFoundError:
     if "google.colab" not in sys.modules:
         raise ModuleNotFoundError("no labkit in this kernel: `make setup` in the repository, or run the pip install below in this kernel") from None
+    from IPython import get_ipython
+
     get_ipython().run_line_magic("pip", 'install "gradient-lab-workbook[lab] @ git+https://github.com/gradient-lab/gradient-lab"')
 
 import collections
@@ -603,7 +605,8 @@ for name, step in sorted(signals.items(), key=lambda item: math.inf if item[1] i
     lead = lead_on_loss(step)
     when = "" if lead == "none" or name == "loss alarm" else f", {abs(lead)} steps {'before' if lead > 0 else 'after'} the loss alarm"
     print(f"step {step if step is not None else 'never':>5}: {name}{when}")
-print(f"the capped twin's ratio passes {TOO_FAST:.0e} at step {twin_ratio_step} too, and it trains on without a loss alarm")
+twin_passes = f"never passes {TOO_FAST:.0e}" if twin_ratio_step is None else f"passes {TOO_FAST:.0e} at step {twin_ratio_step} too"
+print(f"the capped twin's ratio {twin_passes}, and it trains on without a loss alarm")
 claims.metric("ratio_signal_lead", lead_on_loss(ratio_step))
 claims.metric("plateau_signal_lead", lead_on_loss(plateau_step))
 claims.metric("twin_ratio_signal_step", "none" if twin_ratio_step is None else twin_ratio_step)
@@ -630,19 +633,18 @@ plt.show()
 
 
 # %% [markdown]
-# **What fires first, and by how much.** In the stored run the ratio passes 1e-2 first, at step
-# 327, 134 steps before the loss alarm at step 461: the learning rate itself grows, and the ratio
-# shows it from the first step. But the capped twin passes 1e-2 at the same step (both runs are
-# the same run until the cap, near step 388) and then trains on without a loss alarm, so 1e-2 says
-# "the steps are large", not "this run will diverge". The first signal the healthy run does not
-# share is the ratio climbing past 1.5x the twin's plateau, at step 438: 23 steps of warning. The
-# monitor's first warning comes at the same step. The tracer's `exploding` alert comes last, 62
-# steps *after* the loss alarm, and by design: it compares each gradient norm with 10x the median
-# of the same parameter's last 20 norms, so it is built for a *jump* (a bad batch, a NaN on the
-# way). A warm-up without a cap makes the norms *climb* by under 1 % a step, the baseline climbs
-# with them, and a 10x gap opens only once training is already breaking down. In a warm-up, watch
-# the schedule and the update:data ratio it produces against where a capped run levels off, not
-# only the size of the gradient.
+# **What fires first, and by how much.** In the stored run the first signal the capped twin does not
+# share is the ratio climbing past 1.5x the twin's plateau, at step 206: 255 steps of warning before
+# the loss alarm at step 461 (the monitor's first warning comes at step 202). The ratio passes 1e-2
+# later, at step 327, 134 steps before the loss alarm. The capped twin never reaches 1e-2 in this
+# run: its learning rate stops growing at the cap, so its steps stay small while the uncapped
+# run's keep growing, and both ratio signals show that growth long before the loss does. The
+# tracer's `exploding` alert comes last, 62 steps *after* the loss alarm, and by design: it compares
+# each gradient norm with 10x the median of the same parameter's last 20 norms, so it is built for a
+# *jump* (a bad batch, a NaN on the way). A warm-up without a cap makes the norms *climb* by under
+# 1 % a step, the baseline climbs with them, and a 10x gap opens only once training is already
+# breaking down. In a warm-up, watch the schedule and the update:data ratio it produces against
+# where a capped run levels off, not only the size of the gradient.
 
 # %% [markdown]
 # **What the monitor misses.** Three gradient failures that a loss curve hides at first, fed to the

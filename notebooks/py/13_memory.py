@@ -43,6 +43,8 @@ try:  # labkit holds the workbook's instruments: on Colab this cell installs it,
 except ModuleNotFoundError:
     if "google.colab" not in sys.modules:
         raise ModuleNotFoundError("no labkit in this kernel: `make setup` in the repository, or run the pip install below in this kernel") from None
+    from IPython import get_ipython
+
     get_ipython().run_line_magic("pip", 'install "gradient-lab-workbook[lab] @ git+https://github.com/gradient-lab/gradient-lab"')
 
 import math
@@ -856,7 +858,7 @@ def diagnose(lab):
     raise NotImplementedError("Lab 13: replace these two lines with your answer")
 
 
-# %% nbgrader={"grade": true, "grade_id": "check_lab_13", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+# %%
 labs.check(lab, diagnose)
 
 # %% [markdown]
