@@ -115,7 +115,8 @@ def test_on_colab_the_first_cell_installs_labkit_from_the_repository(labkit_miss
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     magics = []
     ipython = types.SimpleNamespace(run_line_magic=lambda name, line: magics.append((name, line)))
-    exec(install_guard(notebook), {"sys": sys, "get_ipython": lambda: ipython})
+    monkeypatch.setattr("IPython.get_ipython", lambda: ipython)  # the cell imports it: the kernel's shell
+    exec(install_guard(notebook), {"sys": sys})
     assert magics == [("pip", COLAB_INSTALL)]
 
 

@@ -24,7 +24,7 @@ LEAVES_EVERYTHING_CHANGED = (
     "torch.set_default_dtype(torch.float64)\n"
     "torch.use_deterministic_algorithms(True)\n"
     "torch.set_float32_matmul_precision('medium')\n"
-    "torch.set_num_threads(1)\n"
+    "torch.set_num_threads(torch.get_num_threads() + 1)\n"
     "warnings.simplefilter('error')\n"
     "plt.figure()\n"
     "matplotlib.rcParams['lines.linewidth'] = 9\n"
@@ -33,12 +33,15 @@ LEAVES_EVERYTHING_CHANGED = (
 SEES_A_FRESH_KERNEL = (
     "import os, sys, warnings, torch, matplotlib, matplotlib.pyplot as plt\n"
     "assert 'leftover' not in globals() and len(In) == 4, (sorted(globals()), In)\n"
-    "assert 'labkit.grading' not in sys.modules\n"
-    "assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32\n"
-    "assert not torch.are_deterministic_algorithms_enabled()\n"
-    "assert torch.get_float32_matmul_precision() == 'highest' and torch.get_num_threads() == threads\n"
-    "assert ('error', None, Warning, None, 0) not in warnings.filters\n"
-    "assert plt.get_fignums() == [] and matplotlib.rcParams['lines.linewidth'] != 9\n"
+    "assert 'labkit.grading' not in sys.modules, 'labkit.grading is still imported'\n"
+    "assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32, 'grad mode or dtype'\n"
+    "assert not torch.are_deterministic_algorithms_enabled(), 'deterministic algorithms'\n"
+    "assert torch.get_float32_matmul_precision() == 'highest', torch.get_float32_matmul_precision()\n"
+    "threads = sys.modules['_labkit_test_baseline'].threads  # the count the kernel started with\n"
+    "assert torch.get_num_threads() == threads, ('threads', torch.get_num_threads(), threads)\n"
+    "assert ('error', None, Warning, None, 0) not in warnings.filters, 'warning filters'\n"
+    "assert plt.get_fignums() == [], plt.get_fignums()\n"
+    "assert matplotlib.rcParams['lines.linewidth'] != 9, 'rcParams'\n"
     "assert os.getcwd() == folder, (os.getcwd(), folder)\n"
     "from labkit import grading\n"
     "assert grading._SESSION == {}"
@@ -46,14 +49,12 @@ SEES_A_FRESH_KERNEL = (
 
 
 def test_a_run_sees_nothing_the_run_before_left_and_00_then_gives_the_fresh_kernels_records(make_notebook, tmp_path):
-    import torch
-
     polluter = make_notebook("leaves_everything_changed", 'device = "cpu"', LEAVES_EVERYTHING_CHANGED)
     assert run_on_cpu(polluter, tmp_path / "before", {}).status == "ok"
     kernels = SESSION_KERNEL.starts
-    checker = make_notebook("sees_a_fresh_kernel", 'device = "cpu"\nfolder = ""\nthreads = 0', SEES_A_FRESH_KERNEL)
+    checker = make_notebook("sees_a_fresh_kernel", 'device = "cpu"\nfolder = ""', SEES_A_FRESH_KERNEL)
     folder = tmp_path / "after"
-    checked = run_on_cpu(checker, folder, {"folder": str(folder.resolve()), "threads": torch.get_num_threads()})
+    checked = run_on_cpu(checker, folder, {"folder": str(folder.resolve())})
     assert checked.status == "ok", checked.error
     assert run_on_cpu(polluter, tmp_path / "before_00", {}, reuse=False).status == "ok"
     fresh = stored_run(START)
