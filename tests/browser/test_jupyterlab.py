@@ -21,6 +21,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from headless_chromium import chromium_context
 
 from labkit.explorers import ERROR_METADATA_KEY
 
@@ -34,8 +35,6 @@ SERVER_START_S = 120
 KERNEL_START_S = 120
 RUN_ALL_S = 240
 REDRAW_S = 60
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 
 # JupyterLab's user settings for the test: no news or update pop-up over the notebook, and every cell
 # kept in the page (windowing would drop cells scrolled out of view from the DOM).
@@ -191,17 +190,8 @@ def lab(tmp_path_factory, chromium):
 
 @pytest.fixture(scope="module")
 def browser(lab, chromium, tmp_path_factory):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        # A persistent context on a fresh folder is how Playwright takes --user-data-dir.
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=chromium, headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000})
-        try:
-            yield context
-        finally:
-            context.close()
+    with chromium_context(chromium, tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
 
 
 def open_and_run_all(context, lab: Lab, name: str):

@@ -10,12 +10,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from headless_chromium import chromium_context
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(importlib.util.find_spec("myst_nb") is None,
                                  reason="the docs extra is not installed: make setup (or pip install -e '.[docs]')")]
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking"]
 SEARCH_S = 30
 
 
@@ -45,16 +45,8 @@ def site_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(chromium, tmp_path_factory):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=chromium, headless=True,
-            args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000})
-        try:
-            yield context
-        finally:
-            context.close()
+    with chromium_context(chromium, tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
 
 
 def open_page(browser, url):
