@@ -1,6 +1,8 @@
 """pyproject.toml declares ranges; constraints.txt (the course's lock) and constraints-latest.txt (the newest
-releases) pin every package exactly, and each pin must lie inside its range. environment.yml repeats the lock."""
+releases) pin every package exactly, and each pin must lie inside its range. environment.yml repeats the lock, and
+pyproject's [tool.uv] gives it to uv sync and uv run."""
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -91,6 +93,38 @@ def test_environment_yml_installs_the_course_lock():
     disagree = {name: (version, locked.get(name)) for name, version in pins.items() if locked.get(name) != version}
     assert not disagree, f"environment.yml disagrees with constraints.txt (yml, lock): {disagree}"
     assert {normalise(r.name) for r in declared_requirements()} <= set(pins), "environment.yml misses a direct dependency"
+
+
+def load_uv_constraints():
+    spec = importlib.util.spec_from_file_location("uv_constraints", ROOT / ".ci" / "uv_constraints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_uv_sync_installs_the_course_lock_with_the_dev_extra():
+    # uv sync and uv run read no constraints file: they took torch 2.15's CUDA build and left the dev extra out
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    uv, uv_constraints = table["tool"]["uv"], load_uv_constraints()
+    assert len(uv_constraints.pins()) == len(lock("constraints.txt"))
+    assert uv["constraint-dependencies"] == uv_constraints.pins(), "run .ci/hook-python .ci/uv_constraints.py --write"
+    assert table["dependency-groups"]["dev"] == [f"{project()['name']}[dev]"], "uv sync's default group is make setup's"
+    # torch from PyTorch's CPU index, and only torch: PyPI's Linux torch is the CUDA build with unpinned nvidia-* packages
+    (index,) = table["tool"]["uv"]["index"]
+    assert (index["url"], index["explicit"]) == ("https://download.pytorch.org/whl/cpu", True)
+    assert [source["index"] for source in table["tool"]["uv"]["sources"]["torch"]] == [index["name"]]
+
+
+def test_the_uv_list_is_rewritten_from_a_changed_lock(tmp_path):
+    uv_constraints = load_uv_constraints()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert uv_constraints.rewritten(pyproject) == pyproject
+    changed = (ROOT / "constraints.txt").read_text().replace("torch==2.13.0\n", "torch==2.14.1\nzzz-new==1.0\n")
+    (tmp_path / "constraints.txt").write_text(changed)
+    rewritten = tomllib.loads(uv_constraints.rewritten(pyproject, tmp_path))
+    listed = rewritten["tool"]["uv"]["constraint-dependencies"]
+    assert "torch==2.14.1" in listed and "zzz-new==1.0" in listed and "torch==2.13.0" not in listed
+    assert rewritten["project"] == project() and rewritten["tool"]["uv"]["environments"]
 
 
 def test_git_hooks_run_pinned_local_tools_and_download_nothing():
