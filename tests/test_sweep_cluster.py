@@ -166,7 +166,8 @@ def test_a_local_cluster_sweep_fails_one_point_and_matches_the_local_runner(make
     output = finished.stdout + finished.stderr
     assert finished.returncode == 1, output  # one point failed
     assert not [word for word in ("ERROR", "Traceback", "Stream is closed", "cannot watch") if word in output], output
-    assert not list(temp.rglob("dask-scratch-space")), "Dask wrote its scratch space outside the sweep folder"
+    # nothing at all: Dask's dask-scratch-space and its locks, the workers' folders, papermill's files
+    assert not list(temp.iterdir()), f"written outside the sweep folder: {sorted(map(str, temp.rglob('*')))}"
     results = [runner.RunResult(**json.loads((tmp_path / "dask" / folder_name(point) / "p.result.json").read_text()))
                for point in runner.grid_points(GRID)]
     assert [r.status for r in results] == ["ok", "failed"]
@@ -313,18 +314,21 @@ def test_a_scheduler_killed_mid_sweep_fails_its_points_and_the_table_is_written(
     nb = make_notebook("k", f"ready = {str(ready)!r}\nhold = 0", KILLABLE)
     scheduler_file = tmp_path / "scheduler.json"
     dask = [str(Path(sys.executable).with_name("dask"))]
+    # Dask's scratch space in the test's own temp folder: the killed scheduler cannot remove its own, which was
+    # left in the system's temp folder (/tmp/dask-scratch-space/scheduler-*) after every run of this test
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(temp))
     scheduler = subprocess.Popen([*dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                                  "--scheduler-file", str(scheduler_file)], stdout=subprocess.DEVNULL,
+                                  "--scheduler-file", str(scheduler_file)], env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
     worker = subprocess.Popen([*dask, "worker", "--nthreads", "1", "--no-dashboard", "--scheduler-file",
-                               str(scheduler_file)], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               str(scheduler_file)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "labkit", "repro", str(nb), "--sweep", "hold=1,2", "--cluster",
                str(scheduler_file), "--connect-timeout", "30", "--out", str(out)]
     try:
-        sweep = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+        sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 240
         while not list(ready.iterdir()):
             assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
