@@ -3,9 +3,11 @@ labkit is missing (a clear message, or on Colab an install), and an install that
 
 import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tomllib
 import types
@@ -171,15 +173,16 @@ def test_installing_the_project_keeps_a_supported_torch_already_there(tmp_path):
 
 # ---- The licence ships with every copy ---------------------------------------------------------------------
 
-def test_the_wheel_and_the_sdist_carry_the_mit_licence_and_the_sdist_no_tests(tmp_path):
-    # MIT asks for its notice in every copy: the LICENSE file, named by License-File in the metadata.
-    # Built from a copy of what setuptools reads (no build/ or egg-info left in the checkout), with the
-    # installed setuptools (pyproject's build requirement), through the PEP 517 hooks pip and build call.
-    licence = (ROOT / "LICENSE").read_text()
-    assert licence.startswith("MIT License") and "Copyright (c) 2026 the Gradient Lab authors" in licence
-    assert PYPROJECT["license"] == "MIT" and PYPROJECT["license-files"] == ["LICENSE"]
-    source = tmp_path / "source"
-    source.mkdir()
+STEM = f"{PYPROJECT['name'].replace('-', '_')}-{PYPROJECT['version']}"
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> Path:
+    """The folder holding the project's wheel and sdist, built once for this file's tests.
+
+    Built from a copy of what setuptools reads (no build/ or egg-info left in the checkout), with the
+    installed setuptools (pyproject's build requirement), through the PEP 517 hooks pip and build call."""
+    source = tmp_path_factory.mktemp("source")
     for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "tests", source / "tests", ignore=shutil.ignore_patterns("__pycache__"))
@@ -187,11 +190,19 @@ def test_the_wheel_and_the_sdist_carry_the_mit_licence_and_the_sdist_no_tests(tm
     code = "from setuptools import build_meta as b; b.build_wheel('dist'); b.build_sdist('dist')"
     result = subprocess.run([sys.executable, "-c", code], cwd=source, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    stem = f"{PYPROJECT['name'].replace('-', '_')}-{PYPROJECT['version']}"
-    with zipfile.ZipFile(source / "dist" / f"{stem}-py3-none-any.whl") as wheel:
+    return source / "dist"
+
+
+def test_the_wheel_and_the_sdist_carry_the_mit_licence_and_the_sdist_no_tests(dist):
+    # MIT asks for its notice in every copy: the LICENSE file, named by License-File in the metadata.
+    licence = (ROOT / "LICENSE").read_text()
+    assert licence.startswith("MIT License") and "Copyright (c) 2026 the Gradient Lab authors" in licence
+    assert PYPROJECT["license"] == "MIT" and PYPROJECT["license-files"] == ["LICENSE"]
+    stem = STEM
+    with zipfile.ZipFile(dist / f"{stem}-py3-none-any.whl") as wheel:
         wheel_metadata = wheel.read(f"{stem}.dist-info/METADATA").decode()
         assert wheel.read(f"{stem}.dist-info/licenses/LICENSE").decode() == licence
-    with tarfile.open(source / "dist" / f"{stem}.tar.gz") as sdist:
+    with tarfile.open(dist / f"{stem}.tar.gz") as sdist:
         sdist_metadata = sdist.extractfile(f"{stem}/PKG-INFO").read().decode()
         assert sdist.extractfile(f"{stem}/LICENSE").read().decode() == licence
         # the tests run from a checkout only (conftest, helpers, notebooks): an sdist with some would not collect
@@ -199,6 +210,76 @@ def test_the_wheel_and_the_sdist_carry_the_mit_licence_and_the_sdist_no_tests(tm
     for metadata in (wheel_metadata, sdist_metadata):
         assert "License-Expression: MIT" in metadata.splitlines()
         assert "License-File: LICENSE" in metadata.splitlines()
+
+
+# ---- The wheel, installed by its name into a fresh venv, used from an empty folder --------------------------
+
+# One process (one torch import) for the commands and a grade, as a learner's script would: the console
+# script itself is run for --version.
+USE = """
+import importlib.metadata as metadata
+import torch.nn.functional as F
+import labkit
+from labkit import grading
+from labkit.__main__ import main
+
+print("labkit from", labkit.__file__, metadata.distribution("gradient-lab-workbook").locate_file(""))
+for command in (["claims", "--catalogue"], ["claims", "notebooks"], ["student", "notebooks", "student"]):
+    print("exit", main(command))
+
+def one_training_step(model, optimizer, x, y):  # 00's planted bug: no zero_grad
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+grading.check("00.1", one_training_step)
+
+def one_training_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+grading.check("00.1", one_training_step)
+"""
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_by_its_name_into_a_fresh_venv_and_works_from_an_empty_folder(dist, tmp_path):
+    # What a user outside the repository meets (issue 40). The venv borrows the packages labkit needs from this
+    # test's environment (a .pth line; the folder it names is only put on sys.path, so the editable install of
+    # the checkout in it stays inactive) and gets the wheel itself with --no-deps: no download. It does not
+    # prove that pip resolves the wheel's declared dependencies, nor a Python or torch other than this one's.
+    venv = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (site / "borrowed_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+                                "--quiet", "--no-deps", "--no-index", str(dist / f"{STEM}-py3-none-any.whl")],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    empty = tmp_path / "empty"
+    (empty / "notebooks").mkdir(parents=True)
+    shutil.copy(ROOT / "notebooks" / "00_start_here.ipynb", empty / "notebooks")
+    (empty / "use.py").write_text(USE)
+    plain = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no PYTHONPATH, no activated venv
+
+    def run(*command):
+        done = subprocess.run(command, cwd=empty, env=plain, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
+        return done.stdout
+
+    assert run(str(venv / "bin" / "labkit"), "--version").strip() == f"labkit {PYPROJECT['version']}"
+    output = run(str(venv / "bin" / "python"), "use.py")
+    # labkit and its distribution's metadata come from the wheel, not from the checkout's editable install
+    assert f"labkit from {site / 'labkit' / '__init__.py'} {site}\n" in output, output[:500]
+    assert output.count("exit 0") == 3, output[-2000:]
+    assert len([line for line in output.splitlines() if re.match(r"[A-Z]\d+[a-z]? ", line)]) >= 80  # cases.json is in the wheel
+    assert "Z1    00_start_here                holds" in output
+    assert "wrote the student edition of 1 notebook(s)" in output and (empty / "student" / "00_start_here.ipynb").exists()
+    verdicts = [line.split(":")[0] for line in output.splitlines() if "Exercise 00.1" in line]
+    assert verdicts == ["✗ Exercise 00.1 not yet", "✓ Exercise 00.1 passed"], output[-2000:]
+    assert sorted(path.name for path in empty.iterdir()) == ["notebooks", "student", "use.py"], "written elsewhere"
 
 
 # ---- make test-compat without its Python -----------------------------------------------------------------
