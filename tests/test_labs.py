@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab13, catalogue
+from labkit.labs import _lab00, _lab01, _lab02, _lab05, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -44,6 +44,10 @@ REPAIRS = {
     "00.c": (_lab00.make_batches,
              "def make_batches(x, y, batch_size, generator):\n    order = torch.randperm(len(x), generator=generator)\n"
              "    return list(zip(x[order].split(batch_size), y[order].split(batch_size)))\n"),
+    "01.a": (_lab01.forward, "def forward(model, inputs):\n    return model(inputs)\n"),
+    "01.b": (_lab01.prepare, "def prepare(model):\n    for parameter in model.parameters():\n"
+                             "        parameter.requires_grad = True\n"),
+    "01.c": (_lab01.loss_of, "def loss_of(prediction, targets):\n    return 2 * F.mse_loss(prediction, targets)\n"),
     "02.a": (_lab02.begin_step, "def begin_step(model, optimizer, max_norm):\n    model.zero_grad(set_to_none=True)\n"),
     "02.b": (_lab02.micro_loss, "def micro_loss(model, inputs, targets, micro_batches):\n"
                                 "    return F.mse_loss(model(inputs), targets, reduction='sum') / "
@@ -161,6 +165,36 @@ def _dodges_00():
                        (update_hiding_error, "the optimizer stepped 0 times")]}
 
 
+def _dodges_01():
+    twin = _twin_state("01")
+
+    def prepare_zeroing_gradients(model):  # every gradient is zeroed on its way in: as a learning rate of zero
+        for parameter in model.parameters():
+            parameter.register_hook(torch.zeros_like)
+
+    def forward_writing_twin(model, inputs):
+        model.load_state_dict(twin)
+        return model(inputs)
+
+    def forward_other_model(model, inputs):
+        return nn.Linear(_lab01.FEATURES, _lab01.TARGETS)(inputs)
+
+    def forward_hiding_error(model, inputs):
+        try:
+            return model(inputs[:, :3])
+        except RuntimeError:
+            return torch.zeros(len(inputs), _lab01.TARGETS, requires_grad=True)
+
+    def loss_of_zero(prediction, targets):
+        return 0 * _lab01.loss_of(prediction, targets)
+
+    return {"prepare": [(prepare_zeroing_gradients, "parameters that never moved")],
+            "forward": [(forward_writing_twin, "weights changed outside optimizer.step()"),
+                        (forward_other_model, "parameters that never moved"),
+                        (forward_hiding_error, "parameters that never moved")],
+            "loss_of": [(loss_of_zero, "parameters that never moved")]}
+
+
 def _dodges_02():
     twin = _twin_state("02")
 
@@ -249,7 +283,7 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "13": _dodges_13}
+DODGES = {"00": _dodges_00, "01": _dodges_01, "02": _dodges_02, "05": _dodges_05, "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)
