@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab01, _lab02, _lab05, _lab13, catalogue
+from labkit.labs import _lab00, _lab01, _lab02, _lab03, _lab05, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -57,6 +57,10 @@ REPAIRS = {
              "    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))\n"
              "    scale = min(1.0, max_norm / (norm.item() + 1e-6))\n"
              "    for g in grads:\n        g.mul_(scale)\n    optimizer.step()\n"),
+    "03.a": (_lab03.residual, "def residual(h, block):\n    out = h.clone()\n    out += block(h)\n    return out\n"),
+    "03.b": (_lab03.normalise, "def normalise(h):\n    centred = h - h.mean(dim=1, keepdim=True)\n"
+                               "    return centred / (centred.pow(2).sum(1, keepdim=True) / (h.shape[1] - 1)).sqrt()\n"),
+    "03.c": (_lab03.rectify, "def rectify(h):\n    return h.clamp(min=0)\n"),
     "05.a": (_lab05.set_modes,
              "def set_modes(model):\n    for layer in model.backbone.modules():\n"
              "        if isinstance(layer, nn.BatchNorm1d):\n            layer.eval()\n"),
@@ -227,6 +231,35 @@ def _dodges_02():
                             (finish_hiding_error, "the optimizer stepped 0 times")]}
 
 
+def _dodges_03():
+    twin = {name[len("block."):]: value for name, value in _twin_state("03").items() if name.startswith("block.")}
+
+    def residual_other_block(h, block):
+        return h + nn.Sequential(nn.Linear(_lab03.WIDTH, _lab03.WIDTH), nn.Tanh())(h)
+
+    def residual_writing_twin(h, block):
+        block.load_state_dict(twin)
+        return h + block(h)
+
+    def residual_detached(h, block):  # backward's error hidden by cutting the graph
+        return (h + block(h)).detach()
+
+    def normalise_zero_gradient(h):  # every gradient below the normalisation zeroed: as a learning rate of zero
+        h.register_hook(torch.zeros_like)
+        return _lab03.normalise(h)
+
+    def normalise_through_data(h):  # backward's error hidden from the version counter
+        h.data.sub_(h.data.mean(1, keepdim=True))
+        h.data.div_(h.data.std(1, keepdim=True))
+        return h
+
+    return {"residual": [(residual_other_block, "does not recover"),
+                         (residual_writing_twin, "weights changed outside optimizer.step()"),
+                         (residual_detached, "does not recover")],
+            "normalise": [(normalise_zero_gradient, "does not recover"),
+                          (normalise_through_data, "does not recover")]}
+
+
 def _dodges_05():
     twin = _twin_state("05")
 
@@ -283,7 +316,7 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "01": _dodges_01, "02": _dodges_02, "05": _dodges_05, "13": _dodges_13}
+DODGES = {"00": _dodges_00, "01": _dodges_01, "02": _dodges_02, "03": _dodges_03, "05": _dodges_05, "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)
