@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab01, _lab02, _lab03, _lab05, _lab13, catalogue
+from labkit.labs import _lab00, _lab01, _lab02, _lab03, _lab04, _lab05, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -61,6 +61,11 @@ REPAIRS = {
     "03.b": (_lab03.normalise, "def normalise(h):\n    centred = h - h.mean(dim=1, keepdim=True)\n"
                                "    return centred / (centred.pow(2).sum(1, keepdim=True) / (h.shape[1] - 1)).sqrt()\n"),
     "03.c": (_lab03.rectify, "def rectify(h):\n    return h.clamp(min=0)\n"),
+    "04.a": (_lab04.encode, "def encode(model, inputs):\n    mu, log_std = model.encoder(inputs).split(4, dim=1)\n"
+                            "    return mu, log_std\n"),
+    "04.b": (_lab04.draw_latent, "def draw_latent(mu, log_std):\n    return mu + log_std.exp() * torch.randn_like(mu)\n"),
+    "04.c": (_lab04.validate, "def validate(model, inputs):\n    model.eval()\n    with torch.inference_mode():\n"
+                              "        logits = model.predict(inputs)\n    return logits\n"),
     "05.a": (_lab05.set_modes,
              "def set_modes(model):\n    for layer in model.backbone.modules():\n"
              "        if isinstance(layer, nn.BatchNorm1d):\n            layer.eval()\n"),
@@ -260,6 +265,38 @@ def _dodges_03():
                           (normalise_through_data, "does not recover")]}
 
 
+def _dodges_04():
+    twin = _twin_state("04")
+
+    def encode_writing_twin(model, inputs):
+        model.load_state_dict(twin)
+        return _lab04.encode(model, inputs)
+
+    def encode_other_model(model, inputs):
+        return nn.Linear(_lab04.FEATURES, 2 * _lab04.LATENT)(inputs).chunk(2, 1)
+
+    def encode_zero_gradient(model, inputs):  # every gradient into the encoder zeroed: as a learning rate of zero
+        out = model.encoder(inputs)
+        out.register_hook(torch.zeros_like)
+        return out.chunk(2, 1)
+
+    def draw_latent_mean_detached(mu, log_std):
+        return mu.detach()
+
+    def validate_hiding_error(model, inputs):
+        try:
+            torch.set_grad_enabled(False)
+            return model.predict(inputs[:, :3])
+        except RuntimeError:
+            return torch.zeros(len(inputs), _lab04.CLASSES)
+
+    return {"encode": [(encode_writing_twin, "weights changed outside optimizer.step()"),
+                       (encode_other_model, "parameters that never moved"),
+                       (encode_zero_gradient, "parameters that never moved")],
+            "draw_latent": [(draw_latent_mean_detached, "parameters that never moved")],
+            "validate": [(validate_hiding_error, "loss.backward() still raises")]}
+
+
 def _dodges_05():
     twin = _twin_state("05")
 
@@ -316,7 +353,7 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "01": _dodges_01, "02": _dodges_02, "03": _dodges_03, "05": _dodges_05, "13": _dodges_13}
+DODGES = {"00": _dodges_00, "01": _dodges_01, "02": _dodges_02, "03": _dodges_03, "04": _dodges_04, "05": _dodges_05, "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)
