@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab13, catalogue
+from labkit.labs import _lab00, _lab01, _lab02, _lab03, _lab04, _lab05, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -44,6 +44,10 @@ REPAIRS = {
     "00.c": (_lab00.make_batches,
              "def make_batches(x, y, batch_size, generator):\n    order = torch.randperm(len(x), generator=generator)\n"
              "    return list(zip(x[order].split(batch_size), y[order].split(batch_size)))\n"),
+    "01.a": (_lab01.forward, "def forward(model, inputs):\n    return model(inputs)\n"),
+    "01.b": (_lab01.prepare, "def prepare(model):\n    for parameter in model.parameters():\n"
+                             "        parameter.requires_grad = True\n"),
+    "01.c": (_lab01.loss_of, "def loss_of(prediction, targets):\n    return 2 * F.mse_loss(prediction, targets)\n"),
     "02.a": (_lab02.begin_step, "def begin_step(model, optimizer, max_norm):\n    model.zero_grad(set_to_none=True)\n"),
     "02.b": (_lab02.micro_loss, "def micro_loss(model, inputs, targets, micro_batches):\n"
                                 "    return F.mse_loss(model(inputs), targets, reduction='sum') / "
@@ -53,6 +57,15 @@ REPAIRS = {
              "    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))\n"
              "    scale = min(1.0, max_norm / (norm.item() + 1e-6))\n"
              "    for g in grads:\n        g.mul_(scale)\n    optimizer.step()\n"),
+    "03.a": (_lab03.residual, "def residual(h, block):\n    out = h.clone()\n    out += block(h)\n    return out\n"),
+    "03.b": (_lab03.normalise, "def normalise(h):\n    centred = h - h.mean(dim=1, keepdim=True)\n"
+                               "    return centred / (centred.pow(2).sum(1, keepdim=True) / (h.shape[1] - 1)).sqrt()\n"),
+    "03.c": (_lab03.rectify, "def rectify(h):\n    return h.clamp(min=0)\n"),
+    "04.a": (_lab04.encode, "def encode(model, inputs):\n    mu, log_std = model.encoder(inputs).split(4, dim=1)\n"
+                            "    return mu, log_std\n"),
+    "04.b": (_lab04.draw_latent, "def draw_latent(mu, log_std):\n    return mu + log_std.exp() * torch.randn_like(mu)\n"),
+    "04.c": (_lab04.validate, "def validate(model, inputs):\n    model.eval()\n    with torch.inference_mode():\n"
+                              "        logits = model.predict(inputs)\n    return logits\n"),
     "05.a": (_lab05.set_modes,
              "def set_modes(model):\n    for layer in model.backbone.modules():\n"
              "        if isinstance(layer, nn.BatchNorm1d):\n            layer.eval()\n"),
@@ -161,6 +174,36 @@ def _dodges_00():
                        (update_hiding_error, "the optimizer stepped 0 times")]}
 
 
+def _dodges_01():
+    twin = _twin_state("01")
+
+    def prepare_zeroing_gradients(model):  # every gradient is zeroed on its way in: as a learning rate of zero
+        for parameter in model.parameters():
+            parameter.register_hook(torch.zeros_like)
+
+    def forward_writing_twin(model, inputs):
+        model.load_state_dict(twin)
+        return model(inputs)
+
+    def forward_other_model(model, inputs):
+        return nn.Linear(_lab01.FEATURES, _lab01.TARGETS)(inputs)
+
+    def forward_hiding_error(model, inputs):
+        try:
+            return model(inputs[:, :3])
+        except RuntimeError:
+            return torch.zeros(len(inputs), _lab01.TARGETS, requires_grad=True)
+
+    def loss_of_zero(prediction, targets):
+        return 0 * _lab01.loss_of(prediction, targets)
+
+    return {"prepare": [(prepare_zeroing_gradients, "parameters that never moved")],
+            "forward": [(forward_writing_twin, "weights changed outside optimizer.step()"),
+                        (forward_other_model, "parameters that never moved"),
+                        (forward_hiding_error, "parameters that never moved")],
+            "loss_of": [(loss_of_zero, "parameters that never moved")]}
+
+
 def _dodges_02():
     twin = _twin_state("02")
 
@@ -191,6 +234,67 @@ def _dodges_02():
                             (finish_writing_twin, "weights changed outside optimizer.step()"),
                             (finish_other_model, "the optimizer stepped 0 times"),
                             (finish_hiding_error, "the optimizer stepped 0 times")]}
+
+
+def _dodges_03():
+    twin = {name[len("block."):]: value for name, value in _twin_state("03").items() if name.startswith("block.")}
+
+    def residual_other_block(h, block):
+        return h + nn.Sequential(nn.Linear(_lab03.WIDTH, _lab03.WIDTH), nn.Tanh())(h)
+
+    def residual_writing_twin(h, block):
+        block.load_state_dict(twin)
+        return h + block(h)
+
+    def residual_detached(h, block):  # backward's error hidden by cutting the graph
+        return (h + block(h)).detach()
+
+    def normalise_zero_gradient(h):  # every gradient below the normalisation zeroed: as a learning rate of zero
+        h.register_hook(torch.zeros_like)
+        return _lab03.normalise(h)
+
+    def normalise_through_data(h):  # backward's error hidden from the version counter
+        h.data.sub_(h.data.mean(1, keepdim=True))
+        h.data.div_(h.data.std(1, keepdim=True))
+        return h
+
+    return {"residual": [(residual_other_block, "does not recover"),
+                         (residual_writing_twin, "weights changed outside optimizer.step()"),
+                         (residual_detached, "does not recover")],
+            "normalise": [(normalise_zero_gradient, "does not recover"),
+                          (normalise_through_data, "does not recover")]}
+
+
+def _dodges_04():
+    twin = _twin_state("04")
+
+    def encode_writing_twin(model, inputs):
+        model.load_state_dict(twin)
+        return _lab04.encode(model, inputs)
+
+    def encode_other_model(model, inputs):
+        return nn.Linear(_lab04.FEATURES, 2 * _lab04.LATENT)(inputs).chunk(2, 1)
+
+    def encode_zero_gradient(model, inputs):  # every gradient into the encoder zeroed: as a learning rate of zero
+        out = model.encoder(inputs)
+        out.register_hook(torch.zeros_like)
+        return out.chunk(2, 1)
+
+    def draw_latent_mean_detached(mu, log_std):
+        return mu.detach()
+
+    def validate_hiding_error(model, inputs):
+        try:
+            torch.set_grad_enabled(False)
+            return model.predict(inputs[:, :3])
+        except RuntimeError:
+            return torch.zeros(len(inputs), _lab04.CLASSES)
+
+    return {"encode": [(encode_writing_twin, "weights changed outside optimizer.step()"),
+                       (encode_other_model, "parameters that never moved"),
+                       (encode_zero_gradient, "parameters that never moved")],
+            "draw_latent": [(draw_latent_mean_detached, "parameters that never moved")],
+            "validate": [(validate_hiding_error, "loss.backward() still raises")]}
 
 
 def _dodges_05():
@@ -249,7 +353,7 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "13": _dodges_13}
+DODGES = {"00": _dodges_00, "01": _dodges_01, "02": _dodges_02, "03": _dodges_03, "04": _dodges_04, "05": _dodges_05, "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)

@@ -9,7 +9,8 @@ from labkit.labs._lab import Lab
 
 __all__: list[str] = []
 
-LAB_MODULES = {"00": "labkit.labs._lab00", "02": "labkit.labs._lab02", "05": "labkit.labs._lab05",
+LAB_MODULES = {"00": "labkit.labs._lab00", "01": "labkit.labs._lab01", "02": "labkit.labs._lab02",
+               "03": "labkit.labs._lab03", "04": "labkit.labs._lab04", "05": "labkit.labs._lab05",
                "13": "labkit.labs._lab13"}
 
 
