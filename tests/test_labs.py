@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab13, catalogue
+from labkit.labs import _lab00, _lab02, _lab05, _lab06, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -63,6 +63,17 @@ REPAIRS = {
     "05.c": (_lab05.prepare,
              "def prepare(model):\n    model.backbone.requires_grad_(False)\n    for layer in model.backbone:\n"
              "        if isinstance(layer, nn.BatchNorm1d):\n            layer.momentum = None\n"),
+    "06.a": (_lab06.make_optimizer,
+             "def make_optimizer(groups, lr):\n    return torch.optim.Adam(groups, lr=lr, decoupled_weight_decay=True)\n"),
+    "06.b": (_lab06.param_groups,
+             "def param_groups(model, weight_decay):\n    decayed, kept = [], []\n    for module in model.modules():\n"
+             "        if isinstance(module, nn.Linear):\n            decayed.append(module.weight)\n"
+             "            kept.append(module.bias)\n        elif isinstance(module, nn.LayerNorm):\n"
+             "            kept += [module.weight, module.bias]\n"
+             "    return [{'params': kept, 'weight_decay': 0.0}, {'params': decayed, 'weight_decay': weight_decay}]\n"),
+    "06.c": (_lab06.update,
+             "def update(optimizer, scheduler, last_of_epoch):\n    optimizer.step()\n    if not last_of_epoch:\n"
+             "        return\n    scheduler.step()\n"),
     "13.a": (_lab13.log_error, "def log_error(history, model, inputs, targets):\n"
                                "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.b": (_lab13.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n"
@@ -221,6 +232,47 @@ def _dodges_05():
             "recalibrate": [(recalibrate_hiding_error, "does not recover")]}
 
 
+def _dodges_06():
+    twin = _twin_state("06")
+
+    def update_lr_zero(optimizer, scheduler, last_of_epoch):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        _lab06.update(optimizer, scheduler, last_of_epoch)
+
+    def update_skipping_step(optimizer, scheduler, last_of_epoch):
+        if last_of_epoch:
+            scheduler.step()
+
+    def update_writing_twin(optimizer, scheduler, last_of_epoch):
+        _lab06.update(optimizer, scheduler, last_of_epoch)
+        with torch.no_grad():
+            for parameter in (p for group in optimizer.param_groups for p in group["params"]):
+                parameter.copy_(next(value for value in twin.values() if value.shape == parameter.shape))
+
+    def update_hiding_error(optimizer, scheduler, last_of_epoch):
+        def closure():
+            raise RuntimeError("no loss to recompute here")
+
+        try:
+            optimizer.step(closure)
+        except RuntimeError:
+            pass
+
+    def optimizer_lr_zero(groups, lr):
+        return torch.optim.AdamW(groups, lr=0.0)
+
+    def optimizer_other_model(groups, lr):
+        return torch.optim.AdamW(nn.Linear(_lab06.FEATURES, _lab06.CLASSES).parameters(), lr=lr)
+
+    return {"update": [(update_lr_zero, "the learning rate was changed to [0.0]"),
+                       (update_skipping_step, "the optimizer stepped 0 times"),
+                       (update_writing_twin, "weights changed outside optimizer.step()"),
+                       (update_hiding_error, "the optimizer stepped 0 times")],
+            "make_optimizer": [(optimizer_lr_zero, "the learning rate was changed to [0.0]"),
+                               (optimizer_other_model, "does not recover")]}
+
+
 def _dodges_13():
     twin = _twin_state("13")
 
@@ -249,7 +301,7 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "13": _dodges_13}
+DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "06": _dodges_06, "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)
