@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab06, _lab13, catalogue
+from labkit.labs import _lab00, _lab02, _lab05, _lab06, _lab07, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -74,6 +74,16 @@ REPAIRS = {
     "06.c": (_lab06.update,
              "def update(optimizer, scheduler, last_of_epoch):\n    optimizer.step()\n    if not last_of_epoch:\n"
              "        return\n    scheduler.step()\n"),
+    "07.a": (_lab07.clip_norm,
+             "def clip_norm(parameters, max_norm):\n    grads = [p.grad for p in parameters]\n"
+             "    total = torch.sqrt(sum((g ** 2).sum() for g in grads))\n"
+             "    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)\n    for g in grads:\n        g.mul_(scale)\n"
+             "    return total\n"),
+    "07.b": (_lab07.clipped, "def clipped(model):\n    return [p for layer in model for p in layer.parameters()]\n"),
+    "07.c": (_lab07.finish_step,
+             "def finish_step(optimizer, scaler, clip):\n    inverse = 1.0 / scaler.get_scale()\n"
+             "    for group in optimizer.param_groups:\n        for p in group['params']:\n"
+             "            p.grad.mul_(inverse)\n    clip()\n    optimizer.step()\n"),
     "13.a": (_lab13.log_error, "def log_error(history, model, inputs, targets):\n"
                                "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.b": (_lab13.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n"
@@ -273,6 +283,49 @@ def _dodges_06():
                                (optimizer_other_model, "does not recover")]}
 
 
+def _dodges_07():
+    twin = _twin_state("07")
+
+    def finish_lr_zero(optimizer, scaler, clip):
+        optimizer.param_groups[0]["lr"] = 0.0
+        _lab07.finish_step(optimizer, scaler, clip)
+
+    def finish_skipping_step(optimizer, scaler, clip):
+        clip()
+
+    def finish_writing_twin(optimizer, scaler, clip):
+        _lab07.finish_step(optimizer, scaler, clip)
+        with torch.no_grad():
+            for parameter, value in zip(optimizer.param_groups[0]["params"], twin.values()):
+                parameter.copy_(value)
+
+    def finish_other_model(optimizer, scaler, clip):
+        other = nn.Linear(_lab07.FEATURES, _lab07.CLASSES)
+        torch.optim.SGD(other.parameters(), lr=_lab07.LR).step()
+
+    def finish_hiding_error(optimizer, scaler, clip):
+        try:
+            scaler.unscale_(optimizer)
+            clip()
+            scaler.unscale_(optimizer)  # raises: already unscaled since the last update
+            scaler.step(optimizer)
+        except RuntimeError:
+            pass
+        scaler.update()
+
+    def clip_norm_zeroing(parameters, max_norm):  # as a learning rate of zero
+        for parameter in parameters:
+            parameter.grad.zero_()
+        return torch.tensor(0.0)
+
+    return {"finish_step": [(finish_lr_zero, "the learning rate was changed to [0.0]"),
+                            (finish_skipping_step, "the optimizer stepped 0 times"),
+                            (finish_writing_twin, "weights changed outside optimizer.step()"),
+                            (finish_other_model, "the optimizer stepped 0 times"),
+                            (finish_hiding_error, "the optimizer stepped 0 times")],
+            "clip_norm": [(clip_norm_zeroing, "does not recover")]}
+
+
 def _dodges_13():
     twin = _twin_state("13")
 
@@ -301,7 +354,8 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "06": _dodges_06, "13": _dodges_13}
+DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "06": _dodges_06, "07": _dodges_07,
+          "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)

@@ -10,7 +10,7 @@ from labkit.labs._lab import Lab
 __all__: list[str] = []
 
 LAB_MODULES = {"00": "labkit.labs._lab00", "02": "labkit.labs._lab02", "05": "labkit.labs._lab05",
-               "06": "labkit.labs._lab06",
+               "06": "labkit.labs._lab06", "07": "labkit.labs._lab07",
                "13": "labkit.labs._lab13"}
 
 
