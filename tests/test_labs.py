@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab06, _lab07, _lab13, catalogue
+from labkit.labs import _lab00, _lab02, _lab05, _lab06, _lab07, _lab12, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -84,6 +84,15 @@ REPAIRS = {
              "def finish_step(optimizer, scaler, clip):\n    inverse = 1.0 / scaler.get_scale()\n"
              "    for group in optimizer.param_groups:\n        for p in group['params']:\n"
              "            p.grad.mul_(inverse)\n    clip()\n    optimizer.step()\n"),
+    "12.a": (_lab12.micro_loss,
+             "def micro_loss(model, inputs, targets, accumulation_steps):\n"
+             "    return F.cross_entropy(model(inputs), targets, reduction='sum') / (len(inputs) * accumulation_steps)\n"),
+    "12.b": (_lab12.all_reduce,
+             "def all_reduce(device_grads):\n    count = len(device_grads)\n"
+             "    return [sum(grads) / count for grads in zip(*device_grads)]\n"),
+    "12.c": (_lab12.shard,
+             "def shard(rows, devices, accumulation_steps):\n    pieces = rows.split(len(rows) // (devices * accumulation_steps))\n"
+             "    return [list(pieces[d * accumulation_steps:(d + 1) * accumulation_steps]) for d in range(devices)]\n"),
     "13.a": (_lab13.log_error, "def log_error(history, model, inputs, targets):\n"
                                "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.b": (_lab13.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n"
@@ -326,6 +335,33 @@ def _dodges_07():
             "clip_norm": [(clip_norm_zeroing, "does not recover")]}
 
 
+def _dodges_12():
+    twin = _twin_state("12")
+
+    def all_reduce_zero(device_grads):  # as a learning rate of zero
+        return [torch.zeros_like(grad) for grad in device_grads[0]]
+
+    def micro_loss_writing_twin(model, inputs, targets, accumulation_steps):
+        model.load_state_dict(twin)
+        return _lab12.micro_loss(model, inputs, targets, accumulation_steps)
+
+    def micro_loss_other_model(model, inputs, targets, accumulation_steps):
+        other = nn.Linear(_lab12.FEATURES, _lab12.CLASSES)
+        unused = sum(p.sum() for p in model.parameters()) * 0
+        return F.cross_entropy(other(inputs), targets) / accumulation_steps + unused
+
+    def micro_loss_hiding_error(model, inputs, targets, accumulation_steps):
+        try:
+            return F.cross_entropy(model(inputs[:, :3]), targets) / accumulation_steps
+        except RuntimeError:
+            return model(inputs).sum() * 0
+
+    return {"all_reduce": [(all_reduce_zero, "does not recover")],
+            "micro_loss": [(micro_loss_writing_twin, "weights changed outside optimizer.step()"),
+                           (micro_loss_other_model, "does not recover"),
+                           (micro_loss_hiding_error, "does not recover")]}
+
+
 def _dodges_13():
     twin = _twin_state("13")
 
@@ -355,7 +391,7 @@ def _dodges_13():
 
 
 DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "06": _dodges_06, "07": _dodges_07,
-          "13": _dodges_13}
+          "12": _dodges_12, "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)

@@ -11,6 +11,7 @@ __all__: list[str] = []
 
 LAB_MODULES = {"00": "labkit.labs._lab00", "02": "labkit.labs._lab02", "05": "labkit.labs._lab05",
                "06": "labkit.labs._lab06", "07": "labkit.labs._lab07",
+               "12": "labkit.labs._lab12",
                "13": "labkit.labs._lab13"}
 
 
