@@ -43,9 +43,16 @@ COMPAT_PIP := PIP_CONFIG_FILE=/dev/null $(COMPAT_VENV)/bin/python -m pip --isola
 # sanitiser can remove a whole stream. CUDA_HOME and CUDA_PATH set but empty stop that search (torch then
 # compiles no CUDA extension, which no notebook does), so nbval compares the outputs the notebooks wrote.
 COMPAT_ENV := CUDA_HOME= CUDA_PATH=
+# COMPAT_UNIT=all (the default) runs every unit test that is not lock_only; COMPAT_UNIT=instruments runs only
+# INSTRUMENT_TESTS, the tests of the code that reaches into torch (its private APIs through _torch_compat, hooks,
+# saved tensors, fake tensors, timers): what a newer torch changes first. CI runs the second on every landing; the
+# first runs whole when the newest-release lock changes (make compat-verified; docs/MAINTAINERS.md, "CI").
+COMPAT_UNIT ?= all
+INSTRUMENT_TESTS := tests/test_torch_compat.py tests/test_tracers.py tests/test_memory.py tests/test_probes.py
+COMPAT_UNIT_TESTS = $(if $(filter all,$(COMPAT_UNIT)),$(UNIT_TESTS),$(if $(filter instruments,$(COMPAT_UNIT)),$(INSTRUMENT_TESTS) -q,$(error COMPAT_UNIT=$(COMPAT_UNIT): use all or instruments)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup hooks lab lab-student notebooks workbook site test test-unit test-notebooks test-compat test-browser test-gpu lint api student course workshop workshop-proxy workshop-learners workshop-password bench repro clean
+.PHONY: help setup hooks lab lab-student notebooks workbook site test test-unit test-notebooks test-compat compat-verified test-browser test-gpu lint api student course workshop workshop-proxy workshop-learners workshop-password bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -111,10 +118,16 @@ $(COMPAT_STAMP): pyproject.toml constraints-latest.txt
 	$(COMPAT_PIP) install --quiet --constraint constraints-latest.txt --editable '.[dev]'
 	@touch $(COMPAT_STAMP)
 
-test-compat: $(COMPAT_STAMP) ## unit tests and nbval on the newest releases (Python 3.12, constraints-latest.txt, ~3 GB)
-	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial and not lock_only"
+test-compat: $(COMPAT_STAMP) ## unit tests and nbval on the newest releases (Python 3.12, constraints-latest.txt, ~3 GB; COMPAT_UNIT=instruments: the instruments' tests only)
+	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(COMPAT_UNIT_TESTS) $(PARALLEL) -m "not serial and not lock_only"
 	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(SERIAL_TESTS) -q -m serial
 	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
+
+compat-verified: ## after changing constraints-latest.txt: make test-compat whole, then record in .ci/compat-verified the lock it passed on
+	$(MAKE) test-compat COMPAT_UNIT=all
+	@{ echo "# make compat-verified wrote this: make test-compat passed whole on this constraints-latest.txt (tests/test_pins.py checks it)"; \
+		sha256sum constraints-latest.txt; } > .ci/compat-verified
+	@echo "recorded in .ci/compat-verified: commit it with constraints-latest.txt"
 
 test-gpu: ## GPU-marked tests, nbval over the notebooks and the probe benchmark on a CUDA machine (skips with the reason elsewhere)
 	bash .ci/gpu-runner

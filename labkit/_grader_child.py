@@ -1,7 +1,7 @@
 """The grading process's side of `labkit._grader_process`: run one answer cell, check it, report as data.
 
-Started as ``python -m labkit._grader_child`` with a JSON request on stdin. Before any learner code
-runs it imports everything a check needs, caps its own CPU time, memory and file sizes
+Forked from the zygote (`labkit._grader_zygote`), which imported everything a check needs, with a JSON
+request on stdin. Before any learner code runs it caps its own CPU time, memory and file sizes
 (resource.setrlimit), moves into its scratch folder, points stdout and stderr away from the result
 channel, and installs an audit hook (`_audit_hook`) that learner code cannot remove: no subprocess,
 fork, signal to another process, ctypes, garbage-collector introspection, raised limit, file written outside the scratch folder, notebook or /proc/<pid> read. The namespaces checks rely on are
@@ -156,7 +156,3 @@ def _check_inside(path: str, scratch: str, what: str) -> None:
     real = os.path.realpath(path)
     if real != os.devnull and not real.startswith(scratch + os.sep):
         raise PermissionError(f"the grader does not allow {what} {path} outside its scratch folder")
-
-
-if __name__ == "__main__":
-    main()

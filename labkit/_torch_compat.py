@@ -79,6 +79,12 @@ graph_task_id = private("torch._C", "_current_graph_task_id")
 queue_backward_callback = private("torch.autograd.variable", "Variable")._execution_engine.queue_callback
 
 
+def import_what_the_first_optimizer_step_imports() -> None:
+    """Import torch._dynamo now, as the first call of an optimizer's method otherwise does (torch wraps them
+    in torch._disable_dynamo), so that processes forked from this one do not each import it again."""
+    importlib.import_module("torch._dynamo")
+
+
 def tensor_identity(tensor: torch.Tensor) -> int:
     """The C++ tensor behind a Python tensor: it changes when ``torch.utils.swap_tensors`` (or a
     module conversion under ``torch.__future__.set_swap_module_params_on_conversion(True)``) swaps

@@ -37,6 +37,7 @@ from labkit._check_sandbox import (
     _plain_str,
 )
 from labkit._grader_process import grade_in_child
+from labkit._stub_answer import is_untouched_stub
 from labkit.errors import LabkitError
 from labkit.exercises import Exercise, Hint, NotYet, registry
 from labkit.messages import describe_error
@@ -176,6 +177,8 @@ def grade_cell(exercise_id: str, cell_source: str, function: str, *, where: str 
     and `EXERCISE_NAMESPACE`.
     """
     spec = _lookup(exercise_id)
+    if is_untouched_stub(cell_source, function):  # its verdict cannot differ, so no process is started for it
+        return _not_yet(spec, _NOT_ATTEMPTED.format(name=function), _WHERE_TO_ANSWER.format(id=spec.id))
     request = {"exercise": spec.id, "source": cell_source, "function": function,
                "where": where or f"exercise {spec.id}", "try_number": try_number, "follow_up": follow_up,
                "time_limit_s": CHECK_TIME_LIMIT_S}

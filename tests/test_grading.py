@@ -382,3 +382,41 @@ def test_a_check_that_changes_torchs_thread_count_restores_it_itself():
     with pytest.raises(exercises.NotYet):
         exercises.registry()["16.1"].check(lambda blocks, x, per_segment: x)
     assert torch.get_num_threads() == threads
+
+
+STUB_CELL = ('# exercise 00.1\ndef one_training_step(model, optimizer, x, y):\n'
+             '    """One SGD step on F.mse_loss(model(x), y); returns the loss before the step as a float."""\n'
+             '    # YOUR CODE HERE\n    raise NotImplementedError("Exercise 00.1: replace this line with your answer")\n')
+
+
+def test_an_untouched_stub_gets_the_verdict_its_own_process_gives_without_starting_one(monkeypatch):
+    from labkit import _stub_answer
+    monkeypatch.setattr(_stub_answer, "is_untouched_stub", lambda source, function: False)
+    monkeypatch.setattr(grading, "is_untouched_stub", _stub_answer.is_untouched_stub)
+    graded_in_a_process = grading.grade_cell("00.1", STUB_CELL, "one_training_step")
+    monkeypatch.undo()
+
+    def no_process(request, wall_limit_s):
+        raise AssertionError("a grading process was started for an untouched stub")
+
+    monkeypatch.setattr(grading, "grade_in_child", no_process)
+    told_at_once = grading.grade_cell("00.1", STUB_CELL, "one_training_step")
+    assert not told_at_once.passed and "is not attempted yet" in told_at_once.message
+    assert asdict(told_at_once) == asdict(graded_in_a_process)
+
+
+@pytest.mark.parametrize("changed", [
+    STUB_CELL.replace("    # YOUR CODE HERE\n", "    return 1.0\n"),  # an answer above the stub's raise
+    STUB_CELL.replace("def one_", "@staticmethod\ndef one_"),  # a decorator can replace the function
+    STUB_CELL + "one_training_step = lambda *args: 1.0\n",  # the name bound again
+    "from builtins import ValueError as NotImplementedError\n" + STUB_CELL,
+    STUB_CELL.replace("(model, optimizer, x, y)", "(model, optimizer, x, NotImplementedError)"),
+    STUB_CELL.replace("(model, optimizer, x, y)", "(model, optimizer, x, y=print('side effect'))"),
+    STUB_CELL + "def NotImplementedError():\n    return ValueError()\n",
+    STUB_CELL.replace('raise NotImplementedError("Exercise', 'raise NotImplementedError(str("Exercise') + ")",
+    "def one_training_step(model optimizer):\n",  # not Python: its process says so
+])
+def test_a_cell_that_could_do_anything_but_raise_not_implemented_is_graded_in_its_own_process(changed):
+    from labkit._stub_answer import is_untouched_stub
+    assert not is_untouched_stub(changed, "one_training_step")
+    assert is_untouched_stub(STUB_CELL, "one_training_step")

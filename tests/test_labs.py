@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab13, catalogue
+from labkit.labs import _lab00, _lab01, _lab02, _lab03, _lab04, _lab05, _lab06, _lab07, _lab12, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -44,6 +44,10 @@ REPAIRS = {
     "00.c": (_lab00.make_batches,
              "def make_batches(x, y, batch_size, generator):\n    order = torch.randperm(len(x), generator=generator)\n"
              "    return list(zip(x[order].split(batch_size), y[order].split(batch_size)))\n"),
+    "01.a": (_lab01.forward, "def forward(model, inputs):\n    return model(inputs)\n"),
+    "01.b": (_lab01.prepare, "def prepare(model):\n    for parameter in model.parameters():\n"
+                             "        parameter.requires_grad = True\n"),
+    "01.c": (_lab01.loss_of, "def loss_of(prediction, targets):\n    return 2 * F.mse_loss(prediction, targets)\n"),
     "02.a": (_lab02.begin_step, "def begin_step(model, optimizer, max_norm):\n    model.zero_grad(set_to_none=True)\n"),
     "02.b": (_lab02.micro_loss, "def micro_loss(model, inputs, targets, micro_batches):\n"
                                 "    return F.mse_loss(model(inputs), targets, reduction='sum') / "
@@ -53,6 +57,15 @@ REPAIRS = {
              "    norm = torch.sqrt(sum((g ** 2).sum() for g in grads))\n"
              "    scale = min(1.0, max_norm / (norm.item() + 1e-6))\n"
              "    for g in grads:\n        g.mul_(scale)\n    optimizer.step()\n"),
+    "03.a": (_lab03.residual, "def residual(h, block):\n    out = h.clone()\n    out += block(h)\n    return out\n"),
+    "03.b": (_lab03.normalise, "def normalise(h):\n    centred = h - h.mean(dim=1, keepdim=True)\n"
+                               "    return centred / (centred.pow(2).sum(1, keepdim=True) / (h.shape[1] - 1)).sqrt()\n"),
+    "03.c": (_lab03.rectify, "def rectify(h):\n    return h.clamp(min=0)\n"),
+    "04.a": (_lab04.encode, "def encode(model, inputs):\n    mu, log_std = model.encoder(inputs).split(4, dim=1)\n"
+                            "    return mu, log_std\n"),
+    "04.b": (_lab04.draw_latent, "def draw_latent(mu, log_std):\n    return mu + log_std.exp() * torch.randn_like(mu)\n"),
+    "04.c": (_lab04.validate, "def validate(model, inputs):\n    model.eval()\n    with torch.inference_mode():\n"
+                              "        logits = model.predict(inputs)\n    return logits\n"),
     "05.a": (_lab05.set_modes,
              "def set_modes(model):\n    for layer in model.backbone.modules():\n"
              "        if isinstance(layer, nn.BatchNorm1d):\n            layer.eval()\n"),
@@ -63,6 +76,36 @@ REPAIRS = {
     "05.c": (_lab05.prepare,
              "def prepare(model):\n    model.backbone.requires_grad_(False)\n    for layer in model.backbone:\n"
              "        if isinstance(layer, nn.BatchNorm1d):\n            layer.momentum = None\n"),
+    "06.a": (_lab06.make_optimizer,
+             "def make_optimizer(groups, lr):\n    return torch.optim.Adam(groups, lr=lr, decoupled_weight_decay=True)\n"),
+    "06.b": (_lab06.param_groups,
+             "def param_groups(model, weight_decay):\n    decayed, kept = [], []\n    for module in model.modules():\n"
+             "        if isinstance(module, nn.Linear):\n            decayed.append(module.weight)\n"
+             "            kept.append(module.bias)\n        elif isinstance(module, nn.LayerNorm):\n"
+             "            kept += [module.weight, module.bias]\n"
+             "    return [{'params': kept, 'weight_decay': 0.0}, {'params': decayed, 'weight_decay': weight_decay}]\n"),
+    "06.c": (_lab06.update,
+             "def update(optimizer, scheduler, last_of_epoch):\n    optimizer.step()\n    if not last_of_epoch:\n"
+             "        return\n    scheduler.step()\n"),
+    "07.a": (_lab07.clip_norm,
+             "def clip_norm(parameters, max_norm):\n    grads = [p.grad for p in parameters]\n"
+             "    total = torch.sqrt(sum((g ** 2).sum() for g in grads))\n"
+             "    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)\n    for g in grads:\n        g.mul_(scale)\n"
+             "    return total\n"),
+    "07.b": (_lab07.clipped, "def clipped(model):\n    return [p for layer in model for p in layer.parameters()]\n"),
+    "07.c": (_lab07.finish_step,
+             "def finish_step(optimizer, scaler, clip):\n    inverse = 1.0 / scaler.get_scale()\n"
+             "    for group in optimizer.param_groups:\n        for p in group['params']:\n"
+             "            p.grad.mul_(inverse)\n    clip()\n    optimizer.step()\n"),
+    "12.a": (_lab12.micro_loss,
+             "def micro_loss(model, inputs, targets, accumulation_steps):\n"
+             "    return F.cross_entropy(model(inputs), targets, reduction='sum') / (len(inputs) * accumulation_steps)\n"),
+    "12.b": (_lab12.all_reduce,
+             "def all_reduce(device_grads):\n    count = len(device_grads)\n"
+             "    return [sum(grads) / count for grads in zip(*device_grads)]\n"),
+    "12.c": (_lab12.shard,
+             "def shard(rows, devices, accumulation_steps):\n    pieces = rows.split(len(rows) // (devices * accumulation_steps))\n"
+             "    return [list(pieces[d * accumulation_steps:(d + 1) * accumulation_steps]) for d in range(devices)]\n"),
     "13.a": (_lab13.log_error, "def log_error(history, model, inputs, targets):\n"
                                "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.b": (_lab13.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n"
@@ -161,6 +204,36 @@ def _dodges_00():
                        (update_hiding_error, "the optimizer stepped 0 times")]}
 
 
+def _dodges_01():
+    twin = _twin_state("01")
+
+    def prepare_zeroing_gradients(model):  # every gradient is zeroed on its way in: as a learning rate of zero
+        for parameter in model.parameters():
+            parameter.register_hook(torch.zeros_like)
+
+    def forward_writing_twin(model, inputs):
+        model.load_state_dict(twin)
+        return model(inputs)
+
+    def forward_other_model(model, inputs):
+        return nn.Linear(_lab01.FEATURES, _lab01.TARGETS)(inputs)
+
+    def forward_hiding_error(model, inputs):
+        try:
+            return model(inputs[:, :3])
+        except RuntimeError:
+            return torch.zeros(len(inputs), _lab01.TARGETS, requires_grad=True)
+
+    def loss_of_zero(prediction, targets):
+        return 0 * _lab01.loss_of(prediction, targets)
+
+    return {"prepare": [(prepare_zeroing_gradients, "parameters that never moved")],
+            "forward": [(forward_writing_twin, "weights changed outside optimizer.step()"),
+                        (forward_other_model, "parameters that never moved"),
+                        (forward_hiding_error, "parameters that never moved")],
+            "loss_of": [(loss_of_zero, "parameters that never moved")]}
+
+
 def _dodges_02():
     twin = _twin_state("02")
 
@@ -193,6 +266,67 @@ def _dodges_02():
                             (finish_hiding_error, "the optimizer stepped 0 times")]}
 
 
+def _dodges_03():
+    twin = {name[len("block."):]: value for name, value in _twin_state("03").items() if name.startswith("block.")}
+
+    def residual_other_block(h, block):
+        return h + nn.Sequential(nn.Linear(_lab03.WIDTH, _lab03.WIDTH), nn.Tanh())(h)
+
+    def residual_writing_twin(h, block):
+        block.load_state_dict(twin)
+        return h + block(h)
+
+    def residual_detached(h, block):  # backward's error hidden by cutting the graph
+        return (h + block(h)).detach()
+
+    def normalise_zero_gradient(h):  # every gradient below the normalisation zeroed: as a learning rate of zero
+        h.register_hook(torch.zeros_like)
+        return _lab03.normalise(h)
+
+    def normalise_through_data(h):  # backward's error hidden from the version counter
+        h.data.sub_(h.data.mean(1, keepdim=True))
+        h.data.div_(h.data.std(1, keepdim=True))
+        return h
+
+    return {"residual": [(residual_other_block, "does not recover"),
+                         (residual_writing_twin, "weights changed outside optimizer.step()"),
+                         (residual_detached, "does not recover")],
+            "normalise": [(normalise_zero_gradient, "does not recover"),
+                          (normalise_through_data, "does not recover")]}
+
+
+def _dodges_04():
+    twin = _twin_state("04")
+
+    def encode_writing_twin(model, inputs):
+        model.load_state_dict(twin)
+        return _lab04.encode(model, inputs)
+
+    def encode_other_model(model, inputs):
+        return nn.Linear(_lab04.FEATURES, 2 * _lab04.LATENT)(inputs).chunk(2, 1)
+
+    def encode_zero_gradient(model, inputs):  # every gradient into the encoder zeroed: as a learning rate of zero
+        out = model.encoder(inputs)
+        out.register_hook(torch.zeros_like)
+        return out.chunk(2, 1)
+
+    def draw_latent_mean_detached(mu, log_std):
+        return mu.detach()
+
+    def validate_hiding_error(model, inputs):
+        try:
+            torch.set_grad_enabled(False)
+            return model.predict(inputs[:, :3])
+        except RuntimeError:
+            return torch.zeros(len(inputs), _lab04.CLASSES)
+
+    return {"encode": [(encode_writing_twin, "weights changed outside optimizer.step()"),
+                       (encode_other_model, "parameters that never moved"),
+                       (encode_zero_gradient, "parameters that never moved")],
+            "draw_latent": [(draw_latent_mean_detached, "parameters that never moved")],
+            "validate": [(validate_hiding_error, "loss.backward() still raises")]}
+
+
 def _dodges_05():
     twin = _twin_state("05")
 
@@ -219,6 +353,117 @@ def _dodges_05():
                           (modes_writing_twin, "weights changed outside optimizer.step()"),
                           (modes_other_head, "does not recover")],
             "recalibrate": [(recalibrate_hiding_error, "does not recover")]}
+
+
+def _dodges_06():
+    twin = _twin_state("06")
+
+    def update_lr_zero(optimizer, scheduler, last_of_epoch):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        _lab06.update(optimizer, scheduler, last_of_epoch)
+
+    def update_skipping_step(optimizer, scheduler, last_of_epoch):
+        if last_of_epoch:
+            scheduler.step()
+
+    def update_writing_twin(optimizer, scheduler, last_of_epoch):
+        _lab06.update(optimizer, scheduler, last_of_epoch)
+        with torch.no_grad():
+            for parameter in (p for group in optimizer.param_groups for p in group["params"]):
+                parameter.copy_(next(value for value in twin.values() if value.shape == parameter.shape))
+
+    def update_hiding_error(optimizer, scheduler, last_of_epoch):
+        def closure():
+            raise RuntimeError("no loss to recompute here")
+
+        try:
+            optimizer.step(closure)
+        except RuntimeError:
+            pass
+
+    def optimizer_lr_zero(groups, lr):
+        return torch.optim.AdamW(groups, lr=0.0)
+
+    def optimizer_other_model(groups, lr):
+        return torch.optim.AdamW(nn.Linear(_lab06.FEATURES, _lab06.CLASSES).parameters(), lr=lr)
+
+    return {"update": [(update_lr_zero, "the learning rate was changed to [0.0]"),
+                       (update_skipping_step, "the optimizer stepped 0 times"),
+                       (update_writing_twin, "weights changed outside optimizer.step()"),
+                       (update_hiding_error, "the optimizer stepped 0 times")],
+            "make_optimizer": [(optimizer_lr_zero, "the learning rate was changed to [0.0]"),
+                               (optimizer_other_model, "does not recover")]}
+
+
+def _dodges_07():
+    twin = _twin_state("07")
+
+    def finish_lr_zero(optimizer, scaler, clip):
+        optimizer.param_groups[0]["lr"] = 0.0
+        _lab07.finish_step(optimizer, scaler, clip)
+
+    def finish_skipping_step(optimizer, scaler, clip):
+        clip()
+
+    def finish_writing_twin(optimizer, scaler, clip):
+        _lab07.finish_step(optimizer, scaler, clip)
+        with torch.no_grad():
+            for parameter, value in zip(optimizer.param_groups[0]["params"], twin.values()):
+                parameter.copy_(value)
+
+    def finish_other_model(optimizer, scaler, clip):
+        other = nn.Linear(_lab07.FEATURES, _lab07.CLASSES)
+        torch.optim.SGD(other.parameters(), lr=_lab07.LR).step()
+
+    def finish_hiding_error(optimizer, scaler, clip):
+        try:
+            scaler.unscale_(optimizer)
+            clip()
+            scaler.unscale_(optimizer)  # raises: already unscaled since the last update
+            scaler.step(optimizer)
+        except RuntimeError:
+            pass
+        scaler.update()
+
+    def clip_norm_zeroing(parameters, max_norm):  # as a learning rate of zero
+        for parameter in parameters:
+            parameter.grad.zero_()
+        return torch.tensor(0.0)
+
+    return {"finish_step": [(finish_lr_zero, "the learning rate was changed to [0.0]"),
+                            (finish_skipping_step, "the optimizer stepped 0 times"),
+                            (finish_writing_twin, "weights changed outside optimizer.step()"),
+                            (finish_other_model, "the optimizer stepped 0 times"),
+                            (finish_hiding_error, "the optimizer stepped 0 times")],
+            "clip_norm": [(clip_norm_zeroing, "does not recover")]}
+
+
+def _dodges_12():
+    twin = _twin_state("12")
+
+    def all_reduce_zero(device_grads):  # as a learning rate of zero
+        return [torch.zeros_like(grad) for grad in device_grads[0]]
+
+    def micro_loss_writing_twin(model, inputs, targets, accumulation_steps):
+        model.load_state_dict(twin)
+        return _lab12.micro_loss(model, inputs, targets, accumulation_steps)
+
+    def micro_loss_other_model(model, inputs, targets, accumulation_steps):
+        other = nn.Linear(_lab12.FEATURES, _lab12.CLASSES)
+        unused = sum(p.sum() for p in model.parameters()) * 0
+        return F.cross_entropy(other(inputs), targets) / accumulation_steps + unused
+
+    def micro_loss_hiding_error(model, inputs, targets, accumulation_steps):
+        try:
+            return F.cross_entropy(model(inputs[:, :3]), targets) / accumulation_steps
+        except RuntimeError:
+            return model(inputs).sum() * 0
+
+    return {"all_reduce": [(all_reduce_zero, "does not recover")],
+            "micro_loss": [(micro_loss_writing_twin, "weights changed outside optimizer.step()"),
+                           (micro_loss_other_model, "does not recover"),
+                           (micro_loss_hiding_error, "does not recover")]}
 
 
 def _dodges_13():
@@ -249,7 +494,7 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "13": _dodges_13}
+DODGES = {lab_id: globals()[f"_dodges_{lab_id}"] for lab_id in lab_ids()}  # every lab has its _dodges_NN
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)

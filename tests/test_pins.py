@@ -2,6 +2,7 @@
 releases) pin every package exactly, and each pin must lie inside its range. environment.yml repeats the lock, and
 pyproject's [tool.uv] gives it to uv sync and uv run."""
 
+import hashlib
 import importlib.util
 import re
 import shutil
@@ -179,3 +180,11 @@ def test_without_a_venv_the_hooks_say_to_run_make_setup(tmp_path):
 def test_ci_runs_the_readme_test_commands_on_both_locks():
     commands = re.findall(r"^timed make ([a-z-]+)", (ROOT / ".ci" / "run").read_text(), flags=re.M)
     assert commands == ["test", "test-compat"]
+
+
+def test_the_newest_release_lock_passed_make_test_compat_whole():
+    # CI runs only the instruments' unit tests on the newest releases (.ci/run): the rest ran when the lock changed
+    recorded = (ROOT / ".ci" / "compat-verified").read_text().split()
+    lock = hashlib.sha256((ROOT / "constraints-latest.txt").read_bytes()).hexdigest()
+    assert lock in recorded, ("constraints-latest.txt changed since make test-compat last passed whole on it "
+                              "(.ci/compat-verified): run `make compat-verified` (about 20 minutes) and commit the record")

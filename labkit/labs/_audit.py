@@ -13,10 +13,15 @@ __all__: list[str] = []
 
 
 class StepAudit:
-    """Watches ``optimizer`` (plain SGD over ``params``) for one run; `problems` names each dodge found."""
+    """Watches ``optimizer`` over ``params`` for one run; `problems` names each dodge found.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], lr: float) -> None:
-        self.optimizer, self.params, self.lr = optimizer, list(params), lr
+    The learning rate must stay ``lr``; with ``scheduled`` a schedule may lower it, but never to zero
+    or above ``lr`` (a schedule stepped at the wrong time is the lab's to measure, not a dodge).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], lr: float,
+                 *, scheduled: bool = False) -> None:
+        self.optimizer, self.params, self.lr, self.scheduled = optimizer, list(params), lr, scheduled
         self.steps = 0
         self.moved_outside: int = 0
         self.lr_seen: set[float] = set()
@@ -49,8 +54,10 @@ class StepAudit:
         if self.steps != expected_steps:
             found.append(f"the optimizer stepped {self.steps} times where the loop asks for {expected_steps} steps "
                          "(a step was skipped, repeated, or taken by another optimizer)")
-        if self.lr_seen - {self.lr}:
-            found.append(f"the learning rate was changed to {sorted(self.lr_seen - {self.lr})} from the lab's {self.lr}")
+        changed = ({lr for lr in self.lr_seen if not 0 < lr <= self.lr} if self.scheduled
+                   else self.lr_seen - {self.lr})
+        if changed:
+            found.append(f"the learning rate was changed to {sorted(changed)} from the lab's {self.lr}")
         if self.moved_outside:
             found.append(f"the model's weights changed outside optimizer.step() {self.moved_outside} times "
                          "(weights written or copied in, not trained)")

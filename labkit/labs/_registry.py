@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import importlib
+import pkgutil
+import re
+from pathlib import Path
 
 from labkit.errors import LabkitError
 from labkit.labs._lab import Lab
 
 __all__: list[str] = []
 
-LAB_MODULES = {"00": "labkit.labs._lab00", "02": "labkit.labs._lab02", "05": "labkit.labs._lab05",
-               "13": "labkit.labs._lab13"}
+# Every module of this package named _labNN is lab NN: adding a lab is adding its module.
+LAB_MODULES = {module.name[len("_lab"):]: f"labkit.labs.{module.name}"
+               for module in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda found: found.name)
+               if re.fullmatch(r"_lab\d\d", module.name)}
 
 
 def lab_ids() -> list[str]:

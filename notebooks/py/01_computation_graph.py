@@ -1203,6 +1203,34 @@ grading.check("01.3", editable_copy)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 01: a two-target network whose loss stays high
+# A new run: a small tanh network with an encoder and a head learns two targets at once. One thing in its training is wrong, drawn for you from this notebook's family: something
+# the graph does not record. `labs.start` prints what you would see, the causes you may choose from
+# (decoys included) and the stages you may rewrite; investigate with the run's objects (`lab.model`,
+# `lab.optimizer`, `lab.x`, `lab.y`, `lab.x_test`, `lab.y_test`, `lab.losses`), plain PyTorch and
+# labkit's instruments (`autograd_graph`, `GradTracer`), and `lab.rerun(stage=f)`. Then write
+# `diagnose(lab)`: your diagnosis and the stage function you rewrote (lab 00 shows the format). The
+# check reruns the training with your stage, makes sure every parameter trained, and compares the
+# held-out error with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("01")
+
+
+# %%
+# lab 01: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 01: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [02 · Gradients accumulate: `zero_grad`, loss reduction and gradient accumulation](02_gradients_accumulate.ipynb):
 # backward adds into `.grad`; 02 follows what that does to `zero_grad`, [loss reduction](GLOSSARY.md#loss-reduction) and

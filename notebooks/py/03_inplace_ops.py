@@ -925,6 +925,36 @@ grading.check("03.2", distance_backward)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 03: a residual network with in-place writes
+# A new run: a small regression network with a residual tanh block, a row normalisation and a
+# rectifier. One thing in its forward pass is wrong, drawn for you from this notebook's family of
+# in-place writes. `labs.start` prints what you would see, the causes you may choose from (decoys
+# included) and the stages you may rewrite; investigate with the run's objects (`lab.model`,
+# `lab.optimizer`, `lab.x`, `lab.y`, `lab.losses`), plain PyTorch (`tensor._version`,
+# `torch.autograd.grad`) and labkit's instruments (`autograd_graph`, `compare_grads`), and
+# `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the stage function you rewrote
+# (lab 00 shows the format). The check reruns the training with your stage and compares each step's
+# gradient with the same forward written out of place, and the final error with the same training
+# without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("03")
+
+
+# %%
+# lab 03: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 03: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [04 · Autograd modes: no_grad, inference_mode, sampling and packed sequences](04_autograd_modes.ipynb):
 # in-place ops are one way to break a gradient; 04 measures the switches that stop one on purpose.

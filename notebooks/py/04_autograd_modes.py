@@ -876,6 +876,37 @@ grading.check("04.2", mean_output)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 04: a noisy-latent classifier validated after every epoch
+# A new run: a classifier whose encoder, with BatchNorm and Dropout, gives the mean and spread of a
+# Gaussian latent; training reads a draw of the latent, prediction its mean, and the model is
+# validated after every epoch. One thing in its training is wrong, drawn for you from this notebook's
+# family of switches that stop a gradient. `labs.start` prints what you would see, the causes you may
+# choose from (decoys included) and the stages you may rewrite; investigate with the run's objects
+# (`lab.model`, `lab.optimizer`, `lab.x`, `lab.y`, `lab.x_val`, `lab.y_val`, `lab.losses`,
+# `lab.val_accuracies`), plain PyTorch (`torch.is_grad_enabled()`, `module.training`,
+# `torch.autograd.grad`) and labkit's instruments (`autograd_graph`, `GradTracer`), and
+# `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the stage function you rewrote
+# (lab 00 shows the format). The check reruns the training with your stage, makes sure every
+# parameter trained, and compares the held-out accuracy with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("04")
+
+
+# %%
+# lab 04: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 04: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [05 · BatchNorm during fine-tuning: what eval and train mode really do](05_batchnorm_finetuning.ipynb):
 # train and eval mode change BatchNorm most of all; 05 measures what that does to fine-tuning.

@@ -947,6 +947,36 @@ grading.check("06.2", layerwise_param_groups)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 06: AdamW with weight decay and a step schedule
+# A new run: a small classifier with a LayerNorm, trained on sensor readings (two of the sensors never
+# fire) with decoupled weight decay and a learning rate that StepLR lowers every few epochs. One thing
+# in its optimizer's set-up is wrong, drawn for you from this notebook's family. `labs.start` prints
+# what you would see, the causes you may choose from (decoys included) and the stages you may rewrite;
+# investigate with the run's objects (`lab.model`, `lab.optimizer`, `lab.scheduler`, `lab.x`, `lab.y`,
+# `lab.x_test`, `lab.y_test`, `lab.losses`, `lab.lrs`: the learning rate at each step), plain PyTorch
+# and labkit's instruments (`GradTracer`, `compare_grads`), and `lab.rerun(stage=f)`. Then write
+# `diagnose(lab)`: your diagnosis and the stage function you rewrote (lab 00 shows the format). The
+# check reruns the training with your stage and compares its held-out predictions with the same
+# training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("06")
+
+
+# %%
+# lab 06: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 06: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [07 · Gradient clipping: which norm, which order, and what it cannot fix](07_gradient_clipping.ipynb):
 # an optimizer step is only as good as the gradient it gets; 07 measures what clipping does to a

@@ -851,6 +851,36 @@ grading.check("07.2", guarded_step)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 07: norm clipping with a GradScaler on spiking batches
+# A new run: a small classifier of sensor readings, trained with a `GradScaler` and norm clipping,
+# because every few batches come from a glitching sensor whose readings are multiplied. One thing in
+# its clipped step is wrong, drawn for you from this notebook's family. `labs.start` prints what you
+# would see, the causes you may choose from (decoys included) and the stages you may rewrite;
+# investigate with the run's objects (`lab.model`, `lab.optimizer`, `lab.scaler`, `lab.x`, `lab.y`,
+# `lab.losses`, `lab.grad_norms`: each step's unscaled gradient norm), plain PyTorch and labkit's
+# instruments (`GradTracer`, `compare_grads`), and `lab.rerun(stage=f)`. Then write `diagnose(lab)`:
+# your diagnosis and the stage function you rewrote (lab 00 shows the format). The check reruns the
+# training with your stage and compares each step's gradient and the final loss with the same
+# training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("07")
+
+
+# %%
+# lab 07: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 07: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [08 · Gradient health: watching every layer's gradient while it trains](08_gradient_health.ipynb):
 # clipping treats a symptom; 08 watches every layer's gradient to find where it starts.

@@ -884,6 +884,36 @@ grading.check("12.2", batch_for_noise)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 12: a batch that grows onto simulated data-parallel devices
+# A new run: a small classifier trains on one device with batches of 16 rows, then its batch grows
+# to 2 simulated devices × 2 accumulated micro-batches × 16 rows, with the learning rate kept.
+# One thing in how it builds the global batch is wrong, drawn for you from this notebook's
+# family. `labs.start` prints what you would see, the causes you may choose from (decoys included)
+# and the stages you may rewrite; investigate with the run's objects (`lab.model`, `lab.optimizer`,
+# `lab.x`, `lab.y`, `lab.losses`), plain PyTorch and labkit's instruments (`GradTracer`,
+# `compare_grads`), and `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the stage
+# function you rewrote (lab 00 shows the format). The check reruns the training with your stage and
+# compares each step's gradient with one batch's gradient over the step's rows, and the final loss
+# with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("12")
+
+
+# %%
+# lab 12: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 12: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [13 · Memory: where the bytes of a training step go](13_memory.ipynb): a larger batch needs more
 # memory; 13 counts where the bytes of a training step go.

@@ -227,3 +227,39 @@ def _processes_running(command: list[str]) -> list[int]:
             found.append(int(entry.name))
             os.kill(int(entry.name), signal.SIGKILL)
     return found
+
+
+# --- the zygote (labkit._grader_zygote): one import, a fresh forked process per answer ---
+
+def _raised(result: grading.Result) -> str:
+    return result.message.split("raised RuntimeError: ", 1)[1].split(".")[0].split(" ")[0]
+
+
+def test_each_answer_runs_in_a_fresh_process_forked_from_a_zygote_that_no_answer_reached():
+    from labkit import _grader_process
+    patcher = "import os, torch\ntorch.tensor = None\nos.environ['LEFT_BEHIND'] = '1'\nraise RuntimeError(str(os.getpid()))\n"
+    looker = ("import os, torch\n"
+              "raise RuntimeError(f\"{os.getpid()}-{torch.tensor is None}-{'LEFT_BEHIND' in os.environ}\")\n")
+    first = _raised(grade("00.1", patcher))
+    second_pid, patched, left = _raised(grade("00.1", looker)).split("-")
+    zygote = _grader_process._zygote().process.pid
+    assert len({first, second_pid, str(zygote)}) == 3
+    assert (patched, left) == ("False", "False")
+
+
+def test_a_zygote_that_ended_is_replaced_and_an_interrupted_check_leaves_no_stale_reply(monkeypatch):
+    from labkit import _grader_process
+    _grader_process._zygote().process.kill()
+    assert grade("00.1", answer_cell("00.1")).passed
+
+    def interrupted(stream, wall_limit_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_grader_process, "_collect", interrupted)
+    zygote = _grader_process._zygote()
+    with pytest.raises(KeyboardInterrupt):
+        grade("00.1", answer_cell("00.1"))
+    assert zygote.process.poll() is not None  # discarded: its next reply would have been the stopped child's
+    monkeypatch.undo()
+    assert "exit code 3" in grade("00.1", "import os\nos._exit(3)\n").message
+    assert grade("00.1", answer_cell("00.1")).passed
