@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab13, catalogue
+from labkit.labs import _lab00, _lab02, _lab05, _lab09, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -63,6 +63,11 @@ REPAIRS = {
     "05.c": (_lab05.prepare,
              "def prepare(model):\n    model.backbone.requires_grad_(False)\n    for layer in model.backbone:\n"
              "        if isinstance(layer, nn.BatchNorm1d):\n            layer.momentum = None\n"),
+    "09.a": (_lab09.skip, "def skip(block, x):\n    return x.clone()\n"),
+    "09.b": (_lab09.merge, "def merge(skipped, branched):\n    return torch.add(branched, skipped)\n"),
+    "09.c": (_lab09.init_branches,
+             "def init_branches(model):\n    for block in model.blocks:\n"
+             "        nn.init.normal_(block.lin2.weight, std=1e-4)\n        nn.init.zeros_(block.lin2.bias)\n"),
     "13.a": (_lab13.log_error, "def log_error(history, model, inputs, targets):\n"
                                "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.b": (_lab13.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n"
@@ -221,6 +226,33 @@ def _dodges_05():
             "recalibrate": [(recalibrate_hiding_error, "does not recover")]}
 
 
+def _dodges_09():
+    twin = _twin_state("09")
+
+    def init_gradients_zeroed(model):  # every gradient zeroed: as a learning rate of zero
+        _lab09.init_branches(model)
+        for parameter in model.parameters():
+            parameter.register_hook(torch.zeros_like)
+
+    def init_writing_twin(model):
+        model.load_state_dict(twin)
+
+    def init_other_blocks(model):
+        model.blocks = nn.ModuleList(_lab09.Block() for _ in model.blocks)
+        _lab09.init_branches(model)
+
+    def merge_hiding_error(skipped, branched):
+        try:
+            return skipped + branched.t()
+        except RuntimeError:
+            return skipped
+
+    return {"init_branches": [(init_gradients_zeroed, "does not recover"),
+                              (init_writing_twin, "init_branches changed stem.weight"),
+                              (init_other_blocks, "init_branches changed blocks.0.lin1.weight")],
+            "merge": [(merge_hiding_error, "does not recover")]}
+
+
 def _dodges_13():
     twin = _twin_state("13")
 
@@ -249,7 +281,7 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "13": _dodges_13}
+DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "09": _dodges_09, "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)
