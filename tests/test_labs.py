@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab09, _lab13, catalogue
+from labkit.labs import _lab00, _lab02, _lab05, _lab09, _lab10, _lab13, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -68,6 +68,14 @@ REPAIRS = {
     "09.c": (_lab09.init_branches,
              "def init_branches(model):\n    for block in model.blocks:\n"
              "        nn.init.normal_(block.lin2.weight, std=1e-4)\n        nn.init.zeros_(block.lin2.bias)\n"),
+    "10.a": (_lab10.clip, "def clip(scaler, optimizer, params, max_norm):\n    scaler.unscale_(optimizer)\n"
+                          "    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))\n"
+                          "    for p in params:\n        p.grad.mul_(min(1.0, max_norm / (norm.item() + 1e-6)))\n"),
+    "10.b": (_lab10.backward, "def backward(loss, scaled_loss):\n    torch.autograd.backward(scaled_loss)\n"),
+    "10.c": (_lab10.step, "def step(scaler, optimizer):\n"
+                          "    grads = [p.grad for group in optimizer.param_groups for p in group['params']]\n"
+                          "    if all(torch.isfinite(g).all() for g in grads):\n        optimizer.step()\n"
+                          "    scaler.update()\n"),
     "13.a": (_lab13.log_error, "def log_error(history, model, inputs, targets):\n"
                                "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.b": (_lab13.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n"
@@ -253,6 +261,38 @@ def _dodges_09():
             "merge": [(merge_hiding_error, "does not recover")]}
 
 
+def _dodges_10():
+    twin = _twin_state("10")
+
+    def step_lr_zero(scaler, optimizer):
+        optimizer.param_groups[0]["lr"] = 0.0
+        _lab10.step(scaler, optimizer)
+
+    def step_skipped(scaler, optimizer):
+        scaler.update()
+
+    def step_writing_twin(scaler, optimizer):
+        _lab10.step(scaler, optimizer)
+        optimizer.param_groups[0]["params"][0].data.copy_(twin["0.weight"])
+
+    def backward_other_model(loss, scaled_loss):
+        other = nn.Linear(_lab10.FEATURES, _lab10.OUTPUTS)
+        F.mse_loss(other(torch.randn(4, _lab10.FEATURES)), torch.zeros(4, _lab10.OUTPUTS)).backward()
+
+    def step_hiding_error(scaler, optimizer):
+        try:
+            scaler.unscale_(optimizer)
+            _lab10.step(scaler, optimizer)
+        except RuntimeError:
+            pass
+
+    return {"step": [(step_lr_zero, "the learning rate was changed to [0.0]"),
+                     (step_skipped, "the optimizer stepped 0 times"),
+                     (step_writing_twin, "weights changed outside optimizer.step()"),
+                     (step_hiding_error, "the run with your repair raised RuntimeError")],
+            "backward": [(backward_other_model, "raised AssertionError: No inf checks were recorded")]}
+
+
 def _dodges_13():
     twin = _twin_state("13")
 
@@ -281,7 +321,8 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
-DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "09": _dodges_09, "13": _dodges_13}
+DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "09": _dodges_09, "10": _dodges_10,
+          "13": _dodges_13}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)
