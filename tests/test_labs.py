@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab02, _lab05, _lab09, _lab10, _lab13, catalogue
+from labkit.labs import _lab00, _lab02, _lab05, _lab09, _lab10, _lab13, _lab16, catalogue
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -76,6 +76,12 @@ REPAIRS = {
                           "    grads = [p.grad for group in optimizer.param_groups for p in group['params']]\n"
                           "    if all(torch.isfinite(g).all() for g in grads):\n        optimizer.step()\n"
                           "    scaler.update()\n"),
+    "16.a": (_lab16.block_forward, "def block_forward(block, h):\n"
+                                   "    return torch.utils.checkpoint.checkpoint(block.forward, h, use_reentrant=False)\n"),
+    "16.b": (_lab16.evaluate, "def evaluate(model, inputs, targets):\n    with torch.inference_mode():\n"
+                              "        return (model(inputs) - targets).pow(2).mean().item()\n"),
+    "16.c": (_lab16.log_error, "def log_error(history, model, inputs, targets):\n"
+                               "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.a": (_lab13.log_error, "def log_error(history, model, inputs, targets):\n"
                                "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.b": (_lab13.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n"
@@ -321,8 +327,34 @@ def _dodges_13():
                         (forward_other_model, "does not recover")]}
 
 
+def _dodges_16():
+    twin = _twin_state("16")
+
+    def log_gradients_zeroed(history, model, inputs, targets):  # every later gradient zeroed: as a learning rate of zero
+        _lab16.log_error(history, model, inputs, targets)
+        for parameter in model.parameters():
+            parameter.register_hook(torch.zeros_like)
+
+    def evaluate_writing_twin(model, inputs, targets):
+        model.load_state_dict(twin)
+        return _lab16.evaluate(model, inputs, targets)
+
+    def block_skipped(block, h):  # another, smaller model: the blocks never run
+        return h
+
+    def block_hiding_error(block, h):
+        try:
+            return _lab16.block_forward(block, h.t())
+        except RuntimeError:
+            return h
+
+    return {"log_error": [(log_gradients_zeroed, "does not recover")],
+            "evaluate": [(evaluate_writing_twin, "weights changed outside optimizer.step()")],
+            "block_forward": [(block_skipped, "does not recover"), (block_hiding_error, "does not recover")]}
+
+
 DODGES = {"00": _dodges_00, "02": _dodges_02, "05": _dodges_05, "09": _dodges_09, "10": _dodges_10,
-          "13": _dodges_13}
+          "13": _dodges_13, "16": _dodges_16}
 
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), VARIANTS)

@@ -10,7 +10,7 @@ from labkit.labs._lab import Lab
 __all__: list[str] = []
 
 LAB_MODULES = {"00": "labkit.labs._lab00", "02": "labkit.labs._lab02", "05": "labkit.labs._lab05",
-               "09": "labkit.labs._lab09", "10": "labkit.labs._lab10",
+               "09": "labkit.labs._lab09", "10": "labkit.labs._lab10", "16": "labkit.labs._lab16",
                "13": "labkit.labs._lab13"}
 
 
