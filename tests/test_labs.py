@@ -20,7 +20,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import grading
-from labkit.labs import _lab00, _lab01, _lab02, _lab03, _lab04, _lab05, _lab06, _lab07, _lab12, _lab13, catalogue
+from labkit.labs import (
+    _lab00,
+    _lab01,
+    _lab02,
+    _lab03,
+    _lab04,
+    _lab05,
+    _lab06,
+    _lab07,
+    _lab09,
+    _lab10,
+    _lab12,
+    _lab13,
+    _lab16,
+    catalogue,
+)
 from labkit.labs._check import check_lab, reference_runs
 from labkit.labs._draw import draw, learner_key, nbgrader_student
 from labkit.labs._registry import lab_ids, lab_of
@@ -106,6 +121,25 @@ REPAIRS = {
     "12.c": (_lab12.shard,
              "def shard(rows, devices, accumulation_steps):\n    pieces = rows.split(len(rows) // (devices * accumulation_steps))\n"
              "    return [list(pieces[d * accumulation_steps:(d + 1) * accumulation_steps]) for d in range(devices)]\n"),
+    "09.a": (_lab09.skip, "def skip(block, x):\n    return x.clone()\n"),
+    "09.b": (_lab09.merge, "def merge(skipped, branched):\n    return torch.add(branched, skipped)\n"),
+    "09.c": (_lab09.init_branches,
+             "def init_branches(model):\n    for block in model.blocks:\n"
+             "        nn.init.normal_(block.lin2.weight, std=1e-4)\n        nn.init.zeros_(block.lin2.bias)\n"),
+    "10.a": (_lab10.clip, "def clip(scaler, optimizer, params, max_norm):\n    scaler.unscale_(optimizer)\n"
+                          "    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))\n"
+                          "    for p in params:\n        p.grad.mul_(min(1.0, max_norm / (norm.item() + 1e-6)))\n"),
+    "10.b": (_lab10.backward, "def backward(loss, scaled_loss):\n    torch.autograd.backward(scaled_loss)\n"),
+    "10.c": (_lab10.step, "def step(scaler, optimizer):\n"
+                          "    grads = [p.grad for group in optimizer.param_groups for p in group['params']]\n"
+                          "    if all(torch.isfinite(g).all() for g in grads):\n        optimizer.step()\n"
+                          "    scaler.update()\n"),
+    "16.a": (_lab16.block_forward, "def block_forward(block, h):\n"
+                                   "    return torch.utils.checkpoint.checkpoint(block.forward, h, use_reentrant=False)\n"),
+    "16.b": (_lab16.evaluate, "def evaluate(model, inputs, targets):\n    with torch.inference_mode():\n"
+                              "        return (model(inputs) - targets).pow(2).mean().item()\n"),
+    "16.c": (_lab16.log_error, "def log_error(history, model, inputs, targets):\n"
+                               "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.a": (_lab13.log_error, "def log_error(history, model, inputs, targets):\n"
                                "    history.append(F.l1_loss(model(inputs), targets).detach())\n"),
     "13.b": (_lab13.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n"
@@ -464,6 +498,63 @@ def _dodges_12():
             "micro_loss": [(micro_loss_writing_twin, "weights changed outside optimizer.step()"),
                            (micro_loss_other_model, "does not recover"),
                            (micro_loss_hiding_error, "does not recover")]}
+def _dodges_09():
+    twin = _twin_state("09")
+
+    def init_gradients_zeroed(model):  # every gradient zeroed: as a learning rate of zero
+        _lab09.init_branches(model)
+        for parameter in model.parameters():
+            parameter.register_hook(torch.zeros_like)
+
+    def init_writing_twin(model):
+        model.load_state_dict(twin)
+
+    def init_other_blocks(model):
+        model.blocks = nn.ModuleList(_lab09.Block() for _ in model.blocks)
+        _lab09.init_branches(model)
+
+    def merge_hiding_error(skipped, branched):
+        try:
+            return skipped + branched.t()
+        except RuntimeError:
+            return skipped
+
+    return {"init_branches": [(init_gradients_zeroed, "does not recover"),
+                              (init_writing_twin, "init_branches changed stem.weight"),
+                              (init_other_blocks, "init_branches changed blocks.0.lin1.weight")],
+            "merge": [(merge_hiding_error, "does not recover")]}
+
+
+def _dodges_10():
+    twin = _twin_state("10")
+
+    def step_lr_zero(scaler, optimizer):
+        optimizer.param_groups[0]["lr"] = 0.0
+        _lab10.step(scaler, optimizer)
+
+    def step_skipped(scaler, optimizer):
+        scaler.update()
+
+    def step_writing_twin(scaler, optimizer):
+        _lab10.step(scaler, optimizer)
+        optimizer.param_groups[0]["params"][0].data.copy_(twin["0.weight"])
+
+    def backward_other_model(loss, scaled_loss):
+        other = nn.Linear(_lab10.FEATURES, _lab10.OUTPUTS)
+        F.mse_loss(other(torch.randn(4, _lab10.FEATURES)), torch.zeros(4, _lab10.OUTPUTS)).backward()
+
+    def step_hiding_error(scaler, optimizer):
+        try:
+            scaler.unscale_(optimizer)
+            _lab10.step(scaler, optimizer)
+        except RuntimeError:
+            pass
+
+    return {"step": [(step_lr_zero, "the learning rate was changed to [0.0]"),
+                     (step_skipped, "the optimizer stepped 0 times"),
+                     (step_writing_twin, "weights changed outside optimizer.step()"),
+                     (step_hiding_error, "the run with your repair raised RuntimeError")],
+            "backward": [(backward_other_model, "raised AssertionError: No inf checks were recorded")]}
 
 
 def _dodges_13():
@@ -492,6 +583,32 @@ def _dodges_13():
                          (backward_hiding_error, "does not recover")],
             "forward": [(forward_writing_twin, "weights changed outside optimizer.step()"),
                         (forward_other_model, "does not recover")]}
+
+
+def _dodges_16():
+    twin = _twin_state("16")
+
+    def log_gradients_zeroed(history, model, inputs, targets):  # every later gradient zeroed: as a learning rate of zero
+        _lab16.log_error(history, model, inputs, targets)
+        for parameter in model.parameters():
+            parameter.register_hook(torch.zeros_like)
+
+    def evaluate_writing_twin(model, inputs, targets):
+        model.load_state_dict(twin)
+        return _lab16.evaluate(model, inputs, targets)
+
+    def block_skipped(block, h):  # another, smaller model: the blocks never run
+        return h
+
+    def block_hiding_error(block, h):
+        try:
+            return _lab16.block_forward(block, h.t())
+        except RuntimeError:
+            return h
+
+    return {"log_error": [(log_gradients_zeroed, "does not recover")],
+            "evaluate": [(evaluate_writing_twin, "weights changed outside optimizer.step()")],
+            "block_forward": [(block_skipped, "does not recover"), (block_hiding_error, "does not recover")]}
 
 
 DODGES = {lab_id: globals()[f"_dodges_{lab_id}"] for lab_id in lab_ids()}  # every lab has its _dodges_NN

@@ -512,6 +512,35 @@ grading.check("09.2", gradient_survival)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 09: a deep pre-activation network
+# A new run: a 12-block pre-activation residual network (LayerNorm in each branch) learns four classes
+# that a random teacher network drew over 16 features. One thing in how its blocks are built or
+# initialised is wrong, drawn for you from this notebook's family of residual-design failures.
+# `labs.start` prints what you would see, the causes you may choose from (decoys included) and the
+# stages you may rewrite; investigate with the run's objects (`lab.model`, whose forward takes
+# `keep=` as `ResidualMLP` above does, `lab.x`, `lab.y`, `lab.losses`), plain PyTorch and labkit's
+# instruments, and `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the stage
+# function you rewrote (lab 00 shows the format). The check reruns the training with your stage and
+# compares it with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("09")
+
+
+# %%
+# lab 09: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 09: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [10 · Mixed precision: fp16, bf16 and the loss scaler](10_mixed_precision.ipynb): gradients that
 # survive the depth can still vanish in 16-bit numbers; 10 measures fp16 and bf16.

@@ -1004,6 +1004,35 @@ grading.check("10.2", step_and_update)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 10: a float16 step with a loss scaler
+# A new run: a small regression network trains under CPU float16 autocast with a `GradScaler` and
+# gradient clipping, on data where a faulty sensor now and then reads 1e5, beyond float16's range.
+# One thing in its scaled step is wrong, drawn for you from this notebook's family of mixed-precision
+# failures. `labs.start` prints what you would see, the causes you may choose from (decoys included)
+# and the stages you may rewrite; investigate with the run's objects (`lab.model`, `lab.optimizer`,
+# `lab.scaler`, `lab.x`, `lab.y`, `lab.losses`), plain PyTorch and labkit's instruments, and
+# `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the stage function you rewrote
+# (lab 00 shows the format). The check reruns the training with your stage and compares it with the
+# same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("10")
+
+
+# %%
+# lab 10: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 10: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [11 · torch.compile: gradients, drift and what to keep out of a graph](11_compile_drift.ipynb):
 # mixed precision changes the arithmetic on purpose; 11 measures how much compiled kernels change

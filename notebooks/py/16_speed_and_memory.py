@@ -939,6 +939,36 @@ grading.check("16.2", blocks_to_checkpoint)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 16: a checkpointed loop that keeps too much
+# A new run: a small residual network whose blocks are meant to be checkpointed trains on a sine rule
+# over 24 features, logs its error after each step and evaluates on held-out rows every few steps.
+# One thing in it keeps more memory than it should, drawn for you from this notebook's family of
+# memory mistakes. `labs.start` prints what you would see, the causes you may choose from (decoys
+# included) and the stages you may rewrite; investigate with the run's objects (`lab.model`,
+# `lab.history`, `lab.losses`, `lab.evaluations`), plain PyTorch and labkit's instruments (the
+# saved-tensor counter of `labkit.memory` among them), and `lab.rerun(stage=f)`. Then write
+# `diagnose(lab)`: your diagnosis and the stage function you rewrote (lab 00 shows the format). The
+# check reruns the training with your stage and compares what autograd keeps with the same training
+# without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("16")
+
+
+# %%
+# lab 16: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 16: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # This is the last notebook. On a CUDA machine, rerun it (and [13](13_memory.ipynb)) with
 # `device="auto"`: the collapsed GPU cells then time what a CPU could only count. To go back to a
