@@ -366,6 +366,8 @@ def accounts():
     # for the test (o+x: pass, not list), and get their modes back after it.
     closed = {folder: stat.S_IMODE(folder.stat().st_mode) for path in (base, Path(sys.executable).resolve(), ROOT)
               for folder in [path, *path.parents] if folder.is_dir() and not folder.stat().st_mode & stat.S_IXOTH}
+    # the hub closes this checkout's solutions to the learners (workshop.lock_checkout): its modes come back too
+    checkout = {entry: stat.S_IMODE(entry.lstat().st_mode) for entry in ROOT.iterdir() if not entry.is_symlink()}
     try:
         for folder, mode in closed.items():
             folder.chmod(mode | 0o001)
@@ -376,7 +378,7 @@ def accounts():
         for learner in LEARNERS:
             subprocess.run(["userdel", learner], capture_output=True)
         subprocess.run(["groupdel", GROUP], capture_output=True)
-        for folder, mode in closed.items():
+        for folder, mode in {**checkout, **closed}.items():
             folder.chmod(mode)
         shutil.rmtree(base)
     assert not {learner for learner in LEARNERS if _account_exists(learner)}, "a learner's account was left behind"
