@@ -74,7 +74,7 @@ device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
 ffn_blocks: int = 6  # blocks of the feed-forward stack (case K4), from 1 to 64
 ffn_width: int = 128  # width of the feed-forward stack, from 1 to 4096
 ffn_rows: int = 32  # rows of its input, from 1 to 4096
-attention_lengths: list[int] = [128, 256, 512, 1024]  # sequence lengths of the attention case (K6), each from 1 to 4096, at most 8 values
+attention_lengths: list[int] = [128, 256, 512, 1024]  # sequence lengths of the attention case (K6), each from 1 to 2048, at most 8 values
 
 # %%
 repro.check_parameters(globals())
