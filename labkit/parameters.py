@@ -6,10 +6,11 @@ reads, so `papermill --help-notebook` and `papermill.inspect_notebook` show each
     steps: int = 30  # training steps, at least 1
 
 The help's last comma-separated clauses may state bounds: `at least N`, `at most N`, `above N`,
-`below N` or `from N to M` (prefixed with `each` for a list). A bound may name another parameter
-instead of a number (`micro_batches: int = 4  # ..., from 1 to batch`): values valid alone but not
-together are then refused naming both. A number without a declared upper bound may be at most
-`UNDECLARED_CEILING`, and a list may not be empty. They are written once, there, and read by
+`below N` or `from N to M` (prefixed with `each` for a list, which also states its length:
+`at most N values`). A bound may name other parameters instead of a number, multiplied and divided
+left to right (`micro_batches: int = 4  # ..., from 1 to batch`, `steps: int = 8  # ..., from 1 to
+1348 / world_size / per_rank_batch`): values valid alone but not together are then refused naming them. A number without a declared upper bound may be at most `UNDECLARED_CEILING`,
+and a list may not be empty. They are written once, there, and read by
 `declared_parameters` both for `python -m labkit repro` and for `check_parameters`, the call in the
 cell right after the parameters cell, which guards plain papermill too (papermill injects its values
 between the two). Used in 00_start_here.
@@ -41,9 +42,11 @@ _ANNOTATIONS = set(SCALAR_TYPES) | {f"list[{kind}]" for kind in SCALAR_TYPES}
 _UNTYPED_KINDS = {"list": list, "dict": dict, "tuple": tuple, "set": set, "bytes": bytes, "complex": complex}
 _BOUNDS = {"at least": operator.ge, "at most": operator.le, "above": operator.gt, "below": operator.lt}
 _NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
-_OPERAND = rf"{_NUMBER}|[A-Za-z_]\w*"  # a number, or the name of another parameter of the cell
+_TERM = rf"(?:{_NUMBER}|[A-Za-z_]\w*)"  # a number, or the name of another parameter of the cell
+_OPERAND = rf"{_TERM}(?: [*/] {_TERM})*"  # terms multiplied and divided left to right
 _BOUND_CLAUSE = re.compile(rf"(?P<each>each )?(?:(?P<op>at least|at most|above|below) (?P<n>{_OPERAND})"
                            rf"|from (?P<low>{_OPERAND}) to (?P<high>{_OPERAND}))")
+_LENGTH_CLAUSE = re.compile(r"at most (?P<n>\d+) values")
 UNDECLARED_CEILING = 2**32 - 1
 """The most a number parameter may be when its help declares no upper bound: the largest seed NumPy takes,
 far above any count a run finishes with. A parameters cell declares its own, lower ceiling with `at most N`."""
@@ -71,7 +74,8 @@ class Parameter:
     type: str
     default: object
     help: str = ""
-    bounds: tuple[tuple[str, float | str], ...] = ()  # (phrase, a number or another parameter's name)
+    bounds: tuple[tuple[str, float | str], ...] = ()  # (phrase, a number or an expression naming parameters)
+    max_length: int | None = None  # the most values a list parameter takes
 
     def check(self, value: object) -> object:
         """`value` as this parameter takes it (an int for a float becomes a float), or a `ParameterError`."""
@@ -83,6 +87,9 @@ class Parameter:
         if element and not items:
             raise ParameterError(f"parameter {self.name} needs at least one value, got []: e.g. "
                                  f"-y \"{self.name}: {self.default!r}\"")
+        if element and self.max_length is not None and len(items) > self.max_length:
+            raise ParameterError(f"parameter {self.name} takes at most {self.max_length} values, got {len(items)}: "
+                                 f"give at most {self.max_length} (default {self.default!r})")
         for item in items:
             if isinstance(item, float) and not math.isfinite(item):
                 raise ParameterError(f"parameter {self.name} must be a finite number, got {item!r}: a run records "
@@ -155,10 +162,11 @@ def declared_parameters(source: str, where: str = "the parameters cell") -> dict
         parameter = _declaration(node, lines, comments, where)
         parameters[parameter.name] = parameter
     for parameter in parameters.values():
-        for _, other in parameter.bounds:
-            if isinstance(other, str) and getattr(parameters.get(other), "type", None) not in ("int", "float"):
-                raise LabkitError(f"{where}: parameter {parameter.name} is bounded by {other!r}, which is not an "
-                                  "int or float parameter of this cell")
+        for _, bound in parameter.bounds:
+            for other in _names(bound):
+                if getattr(parameters.get(other), "type", None) not in ("int", "float"):
+                    raise LabkitError(f"{where}: parameter {parameter.name} is bounded by {other!r}, which is not an "
+                                      "int or float parameter of this cell")
     return parameters
 
 
@@ -190,16 +198,28 @@ def _declaration(node: ast.stmt, lines: list[str], comments: dict[int, str], whe
         raise LabkitError(f"{where}: parameter {target.id} has type {kind!r}; use one of "
                           f"{', '.join(SCALAR_TYPES)} or list[...] of one (types papermill can show)")
     help_text = comments.get(node.lineno, "")
-    return Parameter(target.id, kind, default, help_text, _bounds(target.id, kind, help_text, where))
+    clauses = help_text.split(", ")[1:]
+    max_length = _max_length(target.id, kind, clauses[-1] if clauses else "", where)
+    if max_length is not None:
+        clauses.pop()
+    return Parameter(target.id, kind, default, help_text, _bounds(target.id, kind, clauses, where), max_length)
 
 
 def _kind_of(default: object) -> str:
     return "any" if default is None else type(default).__name__
 
 
-def _bounds(name: str, kind: str, help_text: str, where: str) -> tuple[tuple[str, float], ...]:
+def _max_length(name: str, kind: str, clause: str, where: str) -> int | None:
+    """The N of a list's last help clause `at most N values`, else None."""
+    match = _LENGTH_CLAUSE.fullmatch(clause.strip())
+    if match and not kind.startswith("list"):
+        raise LabkitError(f"{where}: parameter {name} ({kind}) cannot be {clause.strip()!r}: only a list has values")
+    return int(match["n"]) if match else None
+
+
+def _bounds(name: str, kind: str, clauses: list[str], where: str) -> tuple[tuple[str, float], ...]:
     bounds = []
-    for clause in reversed(help_text.split(", ")[1:]):
+    for clause in reversed(clauses):
         match = _BOUND_CLAUSE.fullmatch(clause.strip())
         if not match:
             break
@@ -215,7 +235,26 @@ def _bounds(name: str, kind: str, help_text: str, where: str) -> tuple[tuple[str
 
 
 def _operand(text: str) -> float | str:
-    return text if text[0].isalpha() or text[0] == "_" else float(text)
+    """A bound as a number, or as its text where it names parameters (evaluated with a run's values)."""
+    return text if _names(text) else _evaluate(text, {})
+
+
+def _names(bound: float | str) -> list[str]:
+    terms = re.split(r" [*/] ", bound) if isinstance(bound, str) else []
+    return [term for term in terms if term[0].isalpha() or term[0] == "_"]
+
+
+def _evaluate(expression: str, values: Mapping[str, object]) -> float:
+    """A bound's value: its terms (numbers, or parameters' values) multiplied and divided left to right."""
+    terms = re.split(r" ([*/]) ", expression)
+    total = _term(terms[0], values)
+    for op, term in zip(terms[1::2], terms[2::2]):
+        total = total * _term(term, values) if op == "*" else total / _term(term, values)
+    return total
+
+
+def _term(term: str, values: Mapping[str, object]) -> float:
+    return values[term] if term in values else float(term)
 
 
 def check_values(declared: Mapping[str, Parameter], given: Mapping[str, object],
@@ -234,16 +273,20 @@ def check_values(declared: Mapping[str, Parameter], given: Mapping[str, object],
 
 
 def _check_together(declared: Mapping[str, Parameter], values: Mapping[str, object]) -> None:
-    """A `ParameterError` naming both parameters where a bound naming another parameter fails."""
+    """A `ParameterError` naming the parameters where a bound naming other parameters fails."""
     for parameter in declared.values():
         value = values[parameter.name]
-        for phrase, other in parameter.bounds:
-            if isinstance(other, str) and not all(_BOUNDS[phrase](item, values[other])
-                                                  for item in (value if isinstance(value, list) else [value])):
+        for phrase, bound in parameter.bounds:
+            others = _names(bound)
+            if others and not all(_BOUNDS[phrase](item, _evaluate(bound, values))
+                                  for item in (value if isinstance(value, list) else [value])):
+                name = parameter.name
+                given = ", ".join(f"{other}={values[other]!r}" for other in others)
+                defaults = ", ".join(f"{other}={declared[other].default!r}" for other in others)
                 raise ParameterError(
-                    f"parameters {parameter.name} and {other} do not fit together: {parameter.name} must be {phrase} "
-                    f"{other}, got {parameter.name}={value!r} with {other}={values[other]!r} (defaults "
-                    f"{parameter.name}={parameter.default!r}, {other}={declared[other].default!r}); change one of them")
+                    f"parameters {', '.join([name, *others[:-1]])} and {others[-1]} do not fit together: {name} must be {phrase} "
+                    f"{bound}, got {name}={value!r} with {given} (defaults {name}={parameter.default!r}, {defaults}); "
+                    "change one of them")
 
 
 def check_parameters(namespace: Mapping[str, object]) -> None:

@@ -87,6 +87,15 @@ def test_a_copy_of_the_solution_notebook_is_skipped_and_named(learner, capsys):
     assert "Skipped as copies of solution notebooks: 00_start_here-Copy1.ipynb" in out
 
 
+def test_the_stored_verdicts_are_totalled_against_the_folder_s_own_notebooks(learner):
+    # PG30: a 2-notebook assignment was totalled against all the workbook's exercises (0/35 ... 33 not run);
+    # the re-check's count is tests/reliability/test_grading_isolation.py's
+    stored = exercise_progress.stored_report(learner).rows
+    assert [row.exercise for row in stored] == ["00.1", "00.2", "00.lab"]
+    assert exercise_progress.progress_table(stored).splitlines()[-1] == \
+        "Total: 0/3 exercises passed (0 not yet, 3 not run)"
+
+
 def test_a_deleted_exercise_cell_is_named_with_the_fix(learner, capsys):
     edit(learner, lambda nb: nb.cells.remove(next(c for c in nb.cells if student.exercise_id_of(c) == "00.2")))
     row = next(row for row in exercise_progress.recheck_folder(learner).rows if row.exercise == "00.2")

@@ -10,6 +10,7 @@ import os
 import pwd
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -82,7 +83,30 @@ def test_an_empty_release_is_refused(tmp_path):
         workshop.copy_release(tmp_path / "release", tmp_path / "home")
 
 
+SOLUTION = "### BEGIN SOLUTION\noptimizer.zero_grad()\n### END SOLUTION\n"
+
+
+def checkout_copy(folder: Path) -> Path:
+    """A checkout as the hub runs from, with git's modes (folders 755, files 644): the labkit the learners'
+    servers import and their config beside the solution notebooks, py twins, tests and git history."""
+    root = folder / "checkout"
+    files = {"labkit/__init__.py": "", "pyproject.toml": "[project]\n", "workshop/learner/nbgrader_config.py": "",
+             ".venv/bin/python": "", "README.md": "# Gradient Lab\n", "notebooks/00_start_here.ipynb": SOLUTION,
+             "notebooks/py/00_start_here.py": SOLUTION, "tests/exercise_variants.py": SOLUTION,
+             ".git/objects/pack/pack-1.pack": SOLUTION}
+    for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return root
+
+
 def hub_config(monkeypatch, tmp_path, course, **extra):
+    # the hub closes the checkout it runs from to other accounts: here a copy, never this checkout
+    if not (tmp_path / "checkout").exists():
+        checkout_copy(tmp_path)
+    monkeypatch.setattr(workshop, "LABKIT_PARENT", tmp_path / "checkout")
     proxy = tmp_path / "configurable-http-proxy"
     proxy.write_text("")
     for name, value in {"GRADIENTLAB_COURSE": str(course), "GRADIENTLAB_ROOM": str(tmp_path / "room"),
@@ -136,6 +160,49 @@ def test_the_hub_s_secrets_and_the_course_s_sources_are_root_s_alone(monkeypatch
     assert private == {"nbgrader_config.py": 0o600, "gradebook.db": 0o600, "source": 0o700, "submitted": 0o700,
                        "autograded": 0o700, "feedback": 0o700}
     assert mode(course / "release") & 0o005 == 0o005, "learners copy their release from here"
+
+
+def unused_uid() -> int:
+    """A uid no account has: what a file's mode lets other accounts do is all a learner's account may do."""
+    return next(uid for uid in range(54321, 60000) if not _has_account(uid))
+
+
+def _has_account(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
+def as_learner(uid: int, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(command), user=uid, group=uid, extra_groups=[], capture_output=True, text=True,
+                          timeout=60, cwd="/")
+
+
+@needs_root
+def test_a_learner_imports_the_checkout_s_labkit_but_cannot_read_its_solutions(monkeypatch, passable, course):
+    # PG8, WS9: a learner's kernel found the checkout from labkit.__file__ and read the solution notebooks in it
+    checkout = checkout_copy(passable)
+    monkeypatch.setattr(sys, "executable", str(checkout / ".venv" / "bin" / "python"))
+    hub_config(monkeypatch, passable, course)
+    learner = unused_uid()
+    solutions = ["notebooks/00_start_here.ipynb", "notebooks/py/00_start_here.py", "tests/exercise_variants.py",
+                 ".git/objects/pack/pack-1.pack", "README.md"]
+    read = {relative: as_learner(learner, "cat", str(checkout / relative)).stdout for relative in solutions}
+    assert read == dict.fromkeys(solutions, ""), f"a learner read {[name for name, text in read.items() if text]}"
+    needed = ["labkit/__init__.py", "pyproject.toml", "workshop/learner/nbgrader_config.py", ".venv/bin/python"]
+    assert all(as_learner(learner, "cat", str(checkout / relative)).returncode == 0 for relative in needed)
+    imported = as_learner(learner, "/usr/bin/python3", "-c", f"import sys; sys.path[:0] = [{str(checkout)!r}]; "
+                          "import labkit; print(labkit.__file__)")
+    assert imported.stdout.strip() == str(checkout / "labkit" / "__init__.py"), imported.stderr
+    assert mode(checkout / "notebooks") == 0o700 and mode(checkout / "README.md") == 0o600  # the owner's still
+
+
+def test_only_a_checkout_of_the_workbook_is_closed(tmp_path):
+    (tmp_path / "labkit").mkdir()  # labkit installed in site-packages: the folder beside it is not ours
+    with pytest.raises(LabkitError, match="is not a checkout of the workbook"):
+        workshop.lock_checkout(tmp_path, keep=[])
 
 
 @needs_root

@@ -12,7 +12,9 @@ costs little more than a kernel start), and a typed run that turns the bug off.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,10 +60,67 @@ def test_every_parameter_is_typed_with_help_as_papermill_reads_it(notebook):
     for name, parameter in declared.items():
         assert shown[name]["inferred_type_name"] == parameter.type != "any", name
         assert shown[name]["help"] == parameter.help != "", name
-    # the defaults fit their own declarations, and the numeric ones (bar the seed) are bounded
-    assert check_values(declared, {name: p.default for name, p in declared.items()})
-    unbounded = [p.name for p in declared.values() if p.type in ("int", "float", "list[int]", "list[float]") and not p.bounds]
-    assert not unbounded, f"{notebook.name}: numeric parameters without bounds in their help: {unbounded}"
+    assert check_values(declared, {name: p.default for name, p in declared.items()})  # the defaults fit
+
+
+NUMERIC = ("int", "float", "list[int]", "list[float]")
+FLOORS, CEILINGS = ("at least", "above"), ("at most", "below")
+
+
+@pytest.mark.parametrize("notebook", workbook_notebooks(NOTEBOOKS), ids=lambda p: p.stem)
+def test_every_numeric_parameter_declares_a_floor_and_a_ceiling_that_are_enforced(notebook):
+    # PM6, PM7, PM11, PM15: a number without a ceiling of its own trained for days or asked for terabytes
+    declared = notebook_declarations(notebook)
+    for parameter in (p for p in declared.values() if p.type in NUMERIC):
+        phrases = {phrase for phrase, _ in parameter.bounds}
+        assert phrases & set(FLOORS) and phrases & set(CEILINGS), f"{notebook.name}: {parameter.name} {parameter.help!r}"
+        is_list = parameter.type.startswith("list")
+        assert not is_list or parameter.max_length, f"{notebook.name}: {parameter.name} needs 'at most N values'"
+        for phrase, bound in parameter.bounds:
+            if isinstance(bound, str):
+                continue  # bounds naming other parameters: test_every_combination_bound_refuses_what_breaks_it
+            step = {"at most": 1, "at least": -1}.get(phrase, 0)  # 'above N' and 'below N' refuse N itself
+            past = int(bound) + step if "int" in parameter.type else bound + step
+            with pytest.raises(ParameterError, match=rf"parameter {parameter.name} must (have each element|be) {phrase}"):
+                parameter.check([past] if is_list else past)
+        if is_list:
+            with pytest.raises(ParameterError, match=rf"parameter {parameter.name} takes at most {parameter.max_length} values"):
+                parameter.check(parameter.default[:1] * (parameter.max_length + 1))
+
+
+def _combination_bounds():
+    for notebook in workbook_notebooks(NOTEBOOKS):
+        for parameter in notebook_declarations(notebook).values():
+            for phrase, bound in parameter.bounds:
+                if isinstance(bound, str):
+                    yield pytest.param(notebook, parameter.name, phrase, bound,
+                                       id=f"{notebook.stem[:2]}-{parameter.name}-{phrase}-{bound}".replace(" ", ""))
+
+
+COMBINATIONS = list(_combination_bounds())
+
+
+def test_the_known_inconsistent_pairs_are_declared_as_combinations():
+    pairs = {(p.values[0].stem[:2], p.values[1], p.values[3]) for p in COMBINATIONS}
+    assert {("02", "micro_batches", "batch"), ("15", "report_rank", "world_size"),
+            ("15", "steps", "1348 / world_size / per_rank_batch")} <= pairs, pairs
+
+
+@pytest.mark.parametrize("notebook, name, phrase, bound", COMBINATIONS)
+def test_every_combination_bound_refuses_what_breaks_it(notebook, name, phrase, bound):
+    # PM12: batch 4 with micro_batches 8 was a ZeroDivisionError; each bound naming other parameters is
+    # broken here with the others at their defaults, by a value its own bounds accept
+    from labkit.parameters import _evaluate  # imported here so that the other tests run on code without it
+
+    declared = notebook_declarations(notebook)
+    limit = _evaluate(bound, {n: p.default for n, p in declared.items()})
+    past = math.floor(limit) + 1 if phrase == "at most" else math.ceil(limit)
+    assert phrase in ("at most", "below") and declared[name].check(past) == past
+    others = [term for term in re.split(r" [*/] ", bound) if term[0].isalpha()]
+    message = rf"^parameters {name}(, \w+)* and \w+ do not fit together: {name} must be {phrase} {re.escape(bound)}, got "
+    with pytest.raises(ParameterError, match=message) as caught:
+        validate_parameters(notebook, {name: past})
+    assert all(f"{other}={declared[other].default!r}" in str(caught.value) for other in others)
 
 
 @pytest.mark.parametrize("notebook", workbook_notebooks(NOTEBOOKS), ids=lambda p: p.stem)
@@ -214,14 +273,21 @@ def test_a_py_twin_run_as_a_plain_script_is_checked_from_its_own_cells(tmp_path,
     ("00_start_here", {"steps": 1_000_000_000}, r"parameter steps must be at most 100000, got 1000000000"),
     ("00_start_here", {"features": 10**6}, r"parameter features must be at most 1000, got 1000000"),
     ("00_start_here", {"samples": 10**6}, r"parameter samples must be at most 100000, got 1000000"),
-    ("00_start_here", {"seed": 10**23}, r"parameter seed must be at most 4294967295, got 10{23}"),
-    ("00_start_here", {"lr": 1e308}, r"parameter lr must be at most 4294967295, got 1e\+308"),
+    ("00_start_here", {"seed": 10**23}, r"parameter seed must be at most 2147483647, got 10{23}"),
+    ("00_start_here", {"lr": 1e308}, r"parameter lr must be at most 10, got 1e\+308"),
     ("02_gradients_accumulate", {"batch": 4, "micro_batches": 8},
      r"parameters micro_batches and batch do not fit together: micro_batches must be at most batch, "
      r"got micro_batches=8 with batch=4"),
     ("02_gradients_accumulate", {"micro_batches": 64}, r"micro_batches=64 with batch=32"),
     ("09_residual_design", {"depths": []}, r"parameter depths needs at least one value, got \[\]"),
     ("09_residual_design", {"depths": [8, 10**6]}, r"parameter depths must have each element at most 1000"),
+    ("09_residual_design", {"depths": list(range(1, 18))}, r"parameter depths takes at most 16 values, got 17"),
+    ("15_distributed", {"report_rank": 2}, r"parameters report_rank and world_size do not fit together: report_rank "
+     r"must be below world_size, got report_rank=2 with world_size=2"),
+    ("15_distributed", {"steps": 100}, r"parameters steps, world_size and per_rank_batch do not fit together: steps "
+     r"must be at most 1348 / world_size / per_rank_batch, got steps=100 with world_size=2, per_rank_batch=16"),
+    ("01_computation_graph", {"width": 10**6}, r"parameter width must be at most 1024"),
+    ("13_memory", {"resnet_batch": 10**4}, r"parameter resnet_batch must be at most 256"),
 ])
 def test_out_of_range_and_inconsistent_values_are_refused_naming_the_parameters(notebook, given, message):
     # PM6, PM7, PM11, PM12, PM15: each used to run (for days, or into a cell traceback) before this
@@ -237,3 +303,20 @@ def test_a_bound_may_name_another_parameter_and_must_name_a_number_one():
         check_values(declared, {"parts": 9})  # batch keeps its default, 8
     with pytest.raises(Exception, match="bounded by 'name', which is not an int or float parameter"):
         declared_parameters("name: str = 'x'  # a name\nparts: int = 2  # parts, at most name")
+
+
+def test_a_bound_may_multiply_and_divide_parameters_and_a_list_states_its_length():
+    declared = declared_parameters("ranks: int = 2  # ranks, from 1 to 8\nrows: int = 16  # rows, from 1 to 1348 / ranks / 2\n"
+                                   "sizes: list[int] = [1]  # sizes, each from 1 to 64, at most 3 values")
+    assert set(declared["rows"].bounds) == {("at least", 1.0), ("at most", "1348 / ranks / 2")}
+    assert declared["sizes"].max_length == 3 and set(declared["sizes"].bounds) == {("at least", 1.0), ("at most", 64.0)}
+    assert check_values(declared, {"ranks": 4, "rows": 168, "sizes": [1, 2, 64]})
+    with pytest.raises(ParameterError, match=r"^parameters rows and ranks do not fit together: rows must be at most "
+                                             r"1348 / ranks / 2, got rows=169 with ranks=4 \(defaults rows=16, ranks=2\)"):
+        check_values(declared, {"ranks": 4, "rows": 169})
+    with pytest.raises(ParameterError, match="parameter sizes takes at most 3 values, got 4: give at most 3"):
+        check_values(declared, {"sizes": [1, 2, 3, 4]})
+    with pytest.raises(Exception, match="bounded by 'sizes', which is not an int or float parameter"):
+        declared_parameters("sizes: list[int] = [1]  # s, each at least 1\nrows: int = 2  # rows, at most 10 * sizes")
+    with pytest.raises(Exception, match="only a list has values"):
+        declared_parameters("rows: int = 2  # rows, at least 1, at most 3 values")

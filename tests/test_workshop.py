@@ -12,8 +12,9 @@ hub-spawned server, as JupyterLab does in a browser:
   is sent as an execute request on the kernel's websocket, and the outputs are saved back through the
   contents API; ada first types the solutions into the exercise cells, bo leaves the release untouched;
 - each learner submits through nbgrader's assignment list (the Assignments tab's Submit, on their server).
-- each learner's kernel tries to read the other's home, the course's sources and gradebook and the hub's
-  secrets, and to write into labkit: every try is denied;
+- each learner's kernel tries to read the other's home, the course's sources and gradebook, the checkout's
+  solution notebooks (found from labkit.__file__, PG8) and the hub's secrets, and to write into labkit: every
+  try is denied;
 - then ada, from her own account, submits her answers under bo's name twice (JUPYTERHUB_USER=bo, and
   nbgrader's --student=bo).
 The instructor then runs `nbgrader collect` and `autograde` in the course folder and reads the gradebook:
@@ -286,6 +287,7 @@ def probe_for(room: Room, learner: str) -> str:
     other = next(name for name in LEARNERS if name != learner)
     targets = {"the other learner's home": room.room / "learners" / other,
                "the course's sources": room.course / "source" / ASSIGNMENT / NOTEBOOK.name,
+               "the checkout's solutions": NOTEBOOK,  # PG8: found from labkit.__file__
                "the gradebook": room.course / "gradebook.db",
                "the hub's cookie secret": room.room / "jupyterhub_cookie_secret",
                "the hub's database": room.room / workshop.HUB_DATABASE}
@@ -364,6 +366,8 @@ def accounts():
     # for the test (o+x: pass, not list), and get their modes back after it.
     closed = {folder: stat.S_IMODE(folder.stat().st_mode) for path in (base, Path(sys.executable).resolve(), ROOT)
               for folder in [path, *path.parents] if folder.is_dir() and not folder.stat().st_mode & stat.S_IXOTH}
+    # the hub closes this checkout's solutions to the learners (workshop.lock_checkout): its modes come back too
+    checkout = {entry: stat.S_IMODE(entry.lstat().st_mode) for entry in ROOT.iterdir() if not entry.is_symlink()}
     try:
         for folder, mode in closed.items():
             folder.chmod(mode | 0o001)
@@ -374,7 +378,7 @@ def accounts():
         for learner in LEARNERS:
             subprocess.run(["userdel", learner], capture_output=True)
         subprocess.run(["groupdel", GROUP], capture_output=True)
-        for folder, mode in closed.items():
+        for folder, mode in {**checkout, **closed}.items():
             folder.chmod(mode)
         shutil.rmtree(base)
     assert not {learner for learner in LEARNERS if _account_exists(learner)}, "a learner's account was left behind"

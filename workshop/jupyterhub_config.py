@@ -2,10 +2,11 @@
 # Workshop on a JupyterHub), laid out as The Littlest JupyterHub does it. Each learner is a Unix account of
 # their own (`make workshop-learners`), logs in with their own password, and their server runs under that
 # account (the hub runs as root and starts it with LocalProcessSpawner, never as root): their home folder is
-# theirs alone, the hub's secrets and the course's sources and gradebook are root's, labkit and this checkout
-# are read-only to them. Each server starts in the learner's copy of the course's nbgrader release (the
-# student edition), in this checkout's Python with labkit, and submits through the exchange folder that the
-# course's nbgrader_config.py names; the instructor releases, collects and autogrades from the course folder.
+# theirs alone, the hub's secrets and the course's sources and gradebook are root's, the labkit of this checkout
+# is read-only to them and the rest of it (the solution notebooks, tests, git history) closed. Each server
+# starts in the learner's copy of the course's nbgrader release (the student edition), in this checkout's Python
+# with labkit, and submits through the exchange folder that the course's nbgrader_config.py names; the
+# instructor releases, collects and autogrades from the course folder.
 # Settings come from the environment (defaults in brackets):
 #   GRADIENTLAB_COURSE           the course folder of `make course` [course/ beside workshop/]
 #   GRADIENTLAB_ROOM             the hub's state and the learners' homes [workshop/room/]
@@ -38,6 +39,7 @@ except LabkitError as error:
     sys.exit(str(error))
 workshop.lock_room(ROOM)
 workshop.lock_course(COURSE)
+workshop.lock_checkout(workshop.LABKIT_PARENT, keep=[COURSE, ROOM, Path(sys.executable)])
 for needed in (ROOM / "learners", COURSE / "release", Path(sys.executable), workshop.LEARNER_CONFIG):
     if (closed := workshop.unreachable_by_learners(needed)) is not None:
         sys.exit(f"learners' servers cannot reach {needed}: {closed} is closed to other accounts "

@@ -83,10 +83,16 @@ def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
         for row in _notebook_rows(path, answers, solutions):
             if row.exercise not in best or _RANK[row.status] > _RANK[best[row.exercise].status]:
                 best[row.exercise] = row
-    numbers = {path.name[:2] for path in paths}
+    numbers = _numbers_of(paths)
     rows = [best.get(eid) or Progress(spec.notebook, eid, spec.title, NOT_RUN, "")
             for eid, spec in registry().items() if spec.notebook[:2] in numbers]
     return Report(RECHECKED, sorted(rows, key=lambda row: exercise_order(row.exercise)), skipped)
+
+
+def _numbers_of(paths: list[Path]) -> set[str]:
+    """The workbook numbers (NN of NN_name) of a folder's notebooks: its exercises are those notebooks' only,
+    so an assignment of two notebooks is totalled against its own exercises, not the workbook's (PG30)."""
+    return {path.name[:2] for path in paths}
 
 
 def _learner_notebooks(folder: Path) -> list[Path]:
@@ -195,7 +201,7 @@ def read_grades(path: Path) -> dict[str, dict]:
 
 
 def course_progress(folder: Path) -> list[Progress]:
-    """Every exercise of the course with its standing in ``folder``'s executed notebooks."""
+    """Every exercise (and lab) of ``folder``'s notebooks with its standing in their stored outputs."""
     folder = Path(folder)
     if not folder.is_dir():
         raise LabkitError(f"no folder {folder}: write the student edition with `make student`, then run its notebooks")
@@ -205,9 +211,11 @@ def course_progress(folder: Path) -> list[Progress]:
     known = registry()
     grades = _merge_grades(paths)
     labs = {f"{lab['id']}.lab": lab for lab in lab_catalogue()}
-    rows = [_progress_row(spec.notebook, spec.id, spec.title, grades.get(spec.id)) for spec in known.values()]
+    numbers = _numbers_of(paths)
+    rows = [_progress_row(spec.notebook, spec.id, spec.title, grades.get(spec.id)) for spec in known.values()
+            if spec.notebook[:2] in numbers]
     rows += [_progress_row(lab["notebook"], grade_id, f"Lab: {lab['title']}", grades.get(grade_id))
-             for grade_id, lab in labs.items()]
+             for grade_id, lab in labs.items() if lab["notebook"][:2] in numbers]
     # A notebook from an older or newer course edition may grade an exercise this labkit does not know.
     rows += [
         _progress_row(payload["notebook"], eid, "(not in this labkit)", payload)

@@ -8,9 +8,10 @@ labkit's student edition but for the stub line) into their home, at ``ASSIGNMENT
 fetch would put it; a file the learner already has is never written again, so a restart keeps their work.
 The server runs in the project's environment with `learner_environment`, whose nbgrader settings point at
 the course's exchange folder, read by `exchange_of` from the course's own ``nbgrader_config.py``: the
-instructor's nbgrader and the learners' agree on one folder by construction. `lock_room` and `lock_course`
-leave the learners only what is theirs: the hub's secrets and the course's sources and gradebook are
-root's alone, the release and the exchange stay open.
+instructor's nbgrader and the learners' agree on one folder by construction. `lock_room`, `lock_course` and
+`lock_checkout` leave the learners only what is theirs: the hub's secrets, the course's sources and gradebook,
+and the checkout's solution notebooks, tests and git history are their owners' alone; the release, the
+exchange and the labkit the servers import stay open.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ MIN_PASSWORD_LENGTH = 8
 HUB_DATABASE = "jupyterhub.sqlite"
 # What nbgrader writes into a course after the release; made before the hub starts so that they are root's alone.
 INSTRUCTOR_ONLY = ("submitted", "autograded", "feedback")
+# What the learners' servers use of the checkout: the labkit they import, its version (pyproject.toml) and the
+# learners' nbgrader config (workshop/learner). The rest (notebooks/ and their py twins hold the solutions,
+# tests/ answers, .git every version of both) is closed to them.
+CHECKOUT_FOR_LEARNERS = ("labkit", "pyproject.toml", "workshop")
 
 
 def exchange_of(course: Path) -> tuple[Path, str]:
@@ -205,6 +210,27 @@ def lock_course(course: Path) -> None:
         if entry.name not in ("exchange", "release"):
             _private(entry)
     os.chmod(course, 0o711)
+
+
+def lock_checkout(checkout: Path, keep: list[Path]) -> list[Path]:
+    """Close the checkout the hub runs from to other accounts but for `CHECKOUT_FOR_LEARNERS` and the folders
+    of ``keep`` that lie in it (the course, the room, the Python of the servers): a learner's kernel imports
+    labkit from here and could otherwise read the workbook's solutions beside it (PG8, WS9). Only the mode
+    changes (git records none but the executable bit), so the owner's checkout works as before. Returns
+    what was closed."""
+    checkout = Path(checkout).resolve()
+    if not (checkout / "labkit").is_dir() or not (checkout / "workshop").is_dir():
+        raise LabkitError(f"{checkout} is not a checkout of the workbook (no labkit/ and workshop/ in it): the "
+                          "workshop hub runs from a checkout (docs/COURSE.md, Workshop on a JupyterHub)")
+    needed = set(CHECKOUT_FOR_LEARNERS)
+    for path in keep:
+        inside = Path(os.path.abspath(path))
+        if inside.is_relative_to(checkout) and inside != checkout:
+            needed.add(inside.relative_to(checkout).parts[0])
+    closed = sorted(entry for entry in checkout.iterdir() if entry.name not in needed)
+    for entry in closed:
+        _private(entry)
+    return closed
 
 
 def unreachable_by_learners(path: Path) -> Path | None:

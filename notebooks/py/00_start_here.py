@@ -63,12 +63,12 @@ from labkit.progress import track
 # runs the reproduction with the planted bug; `bug=False` runs it without.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
 features: int = 8  # input features of the regression, from 1 to 1000
 samples: int = 64  # regression samples, from 1 to 100000
 steps: int = 30  # SGD steps, from 1 to 100000
-lr: float = 0.05  # SGD learning rate, above 0
+lr: float = 0.05  # SGD learning rate, above 0, at most 10
 bug: bool = True  # True runs the planted bug, False the fix
 clear_between: bool = False  # set w.grad to None between case Z1's two backward passes (its sum is then gone)
 

@@ -66,16 +66,16 @@ from labkit.progress import track
 # variant runs in cases A2 and A4.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-hidden: int = 32  # hidden units of the digits classifier (case A7), at least 1
-steps: int = 20  # full-batch Adam steps (case A7), at least 1
-lr: float = 0.01  # Adam learning rate (case A7), above 0
-depth: int = 10  # layers of the deep stacks (case A8), at least 1
-width: int = 64  # width of the deep stacks (case A8), at least 1
+hidden: int = 32  # hidden units of the digits classifier (case A7), from 1 to 4096
+steps: int = 20  # full-batch Adam steps (case A7), from 1 to 100000
+lr: float = 0.01  # Adam learning rate (case A7), above 0, at most 10
+depth: int = 10  # layers of the deep stacks (case A8), from 1 to 100
+width: int = 64  # width of the deep stacks (case A8), from 1 to 1024
 pool_kernel: int = 3  # pooling window over 8 inputs (case A3), from 1 to 8
-pool_stride: int = 3  # pooling stride (case A3), at least 1
-timing_seconds: float = 0.3  # seconds each timed variant runs, above 0
+pool_stride: int = 3  # pooling stride (case A3), from 1 to 8
+timing_seconds: float = 0.3  # seconds each timed variant runs, above 0, at most 60
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

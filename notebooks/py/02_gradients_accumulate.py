@@ -73,13 +73,13 @@ from labkit.progress import track
 # gradient is clipped after `zero_grad()` (B7). `bug=False` runs the same reproductions without it.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
 hidden: int = 32  # hidden units of the MLP, from 1 to 4096
 batch: int = 32  # images per SGD step, from 1 to 4096
 micro_batches: int = 4  # micro-batches a batch is split into (gradient accumulation), from 1 to batch
 steps: int = 60  # SGD steps, from 1 to 100000
-lr: float = 0.5  # SGD learning rate, above 0
+lr: float = 0.5  # SGD learning rate, above 0, at most 10
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

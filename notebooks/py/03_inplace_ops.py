@@ -62,15 +62,15 @@ from labkit.progress import track
 # backward of case C4 is.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-batch: int = 64  # digits per random batch, at least 1
-norm_width: int = 5  # ReLU units in front of the LayerNorm, at least 1
-norm_steps: int = 80  # training steps of the LayerNorm model, at least 1
-triplet_steps: int = 150  # training steps of each triplet-loss embedding, at least 1
-triplet_lr: float = 0.05  # SGD learning rate of the embeddings, above 0
-margin: float = 0.2  # triplet-loss margin, at least 0
-slight_error: float = 0.001  # how far off (relative) the third backward is for gradcheck, above 0
+batch: int = 64  # digits per random batch (batch-all triplets grow as its cube), from 1 to 256
+norm_width: int = 5  # ReLU units in front of the LayerNorm, from 1 to 4096
+norm_steps: int = 80  # training steps of the LayerNorm model, from 1 to 100000
+triplet_steps: int = 150  # training steps of each triplet-loss embedding, from 1 to 100000
+triplet_lr: float = 0.05  # SGD learning rate of the embeddings, above 0, at most 10
+margin: float = 0.2  # triplet-loss margin, from 0 to 100
+slight_error: float = 0.001  # how far off (relative) the third backward is for gradcheck, above 0, at most 1
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

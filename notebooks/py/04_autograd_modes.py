@@ -65,11 +65,11 @@ from labkit.progress import track
 # sequences without packing (N4). `bug=False` removes all three.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-batch: int = 64  # test images per forward pass, at least 1
-actor_steps: int = 60  # training steps of the actor (case N2), at least 1
-vit_steps: int = 40  # training steps of the small ViT (case N3), at least 1
+batch: int = 64  # test images per forward pass (449 in the test split), from 1 to 449
+actor_steps: int = 60  # training steps of the actor (case N2), from 1 to 100000
+vit_steps: int = 40  # training steps of the small ViT (case N3), from 1 to 10000
 bug: bool = True  # True runs the planted bug, False the fix
 resize_once: bool = False  # N3: resize the 2x2 embedding once, under no_grad, into a new 4x4 Parameter (load time)
 

@@ -68,13 +68,13 @@ from labkit.progress import track
 # eval mode.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-batch_size: int = 4  # images per fine-tuning step, at least 1
-pretrain_steps: int = 300  # pretraining steps of the backbone on digits 0-4, at least 1
-finetune_steps: int = 200  # fine-tuning steps of the head on digits 5-9, at least 1
-lr: float = 0.03  # Adam learning rate of the fine-tuning, above 0
-seeds: int = 3  # seeds the accuracy spreads are measured over, at least 1
+batch_size: int = 4  # images per fine-tuning step, from 1 to 512
+pretrain_steps: int = 300  # pretraining steps of the backbone on digits 0-4, from 1 to 100000
+finetune_steps: int = 200  # fine-tuning steps of the head on digits 5-9, from 1 to 100000
+lr: float = 0.03  # Adam learning rate of the fine-tuning, above 0, at most 10
+seeds: int = 3  # seeds the accuracy spreads are measured over, from 1 to 100
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

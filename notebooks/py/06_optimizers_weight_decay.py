@@ -65,16 +65,16 @@ from labkit.progress import track
 # `Adam(weight_decay=…)` where decoupled [weight decay](GLOSSARY.md#weight-decay) (AdamW) was meant. `bug=False` uses AdamW.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-hidden: int = 64  # hidden units of the MLP, at least 1
-batch: int = 64  # images per step, at least 1
-steps: int = 300  # Adam and AdamW steps, at least 1
-lr: float = 0.001  # Adam and AdamW learning rate, above 0
-weight_decay: float = 0.01  # weight decay, at least 0
-sgd_lr: float = 1.0  # base learning rate of the scheduler experiment (SGD), above 0
-epochs: int = 12  # epochs of the scheduler experiment, at least 1
-seeds: int = 3  # seeds each comparison runs over, at least 1
+hidden: int = 64  # hidden units of the MLP, from 1 to 4096
+batch: int = 64  # images per step, from 1 to 4096
+steps: int = 300  # Adam and AdamW steps, from 1 to 100000
+lr: float = 0.001  # Adam and AdamW learning rate, above 0, at most 10
+weight_decay: float = 0.01  # weight decay, from 0 to 10
+sgd_lr: float = 1.0  # base learning rate of the scheduler experiment (SGD), above 0, at most 100
+epochs: int = 12  # epochs of the scheduler experiment, from 1 to 1000
+seeds: int = 3  # seeds each comparison runs over, from 1 to 100
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

@@ -65,18 +65,18 @@ from labkit.progress import track
 # steps' median norm. `bug=True` clips the gradients *before* `GradScaler.unscale_`; `bug=False` after.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-steps: int = 150  # minibatch SGD steps of the digits MLPs, at least 1
-lr: float = 0.5  # SGD learning rate of the digits MLPs, above 0
-cnn_steps: int = 100  # training steps of the CNNs (case F3), at least 1
-seeds: int = 3  # seeds each comparison runs over, at least 1
-spike_every: int = 10  # every spike_every-th CNN batch arrives un-normalised, at least 1
-spike_scale: float = 16.0  # factor on the pixels of such a batch, above 0
-max_norm: float = 1.0  # norm-clipping threshold, above 0
-divergence_lr: float = 0.5  # learning rate of the diverging regression of case F4, above 0
+steps: int = 150  # minibatch SGD steps of the digits MLPs, from 1 to 100000
+lr: float = 0.5  # SGD learning rate of the digits MLPs, above 0, at most 10
+cnn_steps: int = 100  # training steps of the CNNs (case F3), from 1 to 10000
+seeds: int = 3  # seeds each comparison runs over, from 1 to 100
+spike_every: int = 10  # every spike_every-th CNN batch arrives un-normalised, from 1 to cnn_steps
+spike_scale: float = 16.0  # factor on the pixels of such a batch, above 0, at most 1000
+max_norm: float = 1.0  # norm-clipping threshold, above 0, at most 1000
+divergence_lr: float = 0.5  # learning rate of the diverging regression of case F4, above 0, at most 100
 norm_per_tensor: bool = False  # True: case F2's norm clipping clips each tensor by its own norm
-clip_factor: float = 2.0  # case F3's clipping thresholds, as a multiple of the clean median norm, above 0
+clip_factor: float = 2.0  # case F3's clipping thresholds, as a multiple of the clean median norm, above 0, at most 100
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

@@ -70,17 +70,17 @@ from labkit.progress import track
 # `timing_seconds` is how long each variant of the cost comparison runs.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-width: int = 64  # hidden width of the small MLPs, at least 1
-steps: int = 600  # minibatch SGD steps of the warm-up run (case L1), at least 1
-lr: float = 0.02  # learning rate the warm-up starts from, above 0
-lr_growth: float = 1.007  # warm-up factor per step, at least 1
-lr_cap: float = 0.05  # learning rate the warm-up stops at with bug False, above 0
-log_interval: int = 50  # steps between two readings of the monitor, at least 1
-alert_factor: float = 3.0  # the monitor alerts at this multiple of its running mean, above 0
-micro_batches: int = 3  # backward passes accumulated per step (case L2), at least 1
-timing_seconds: float = 0.2  # seconds each variant of the cost comparison runs, above 0
+width: int = 64  # hidden width of the small MLPs, from 1 to 1024
+steps: int = 600  # minibatch SGD steps of the warm-up run (case L1), from 1 to 100000
+lr: float = 0.02  # learning rate the warm-up starts from, above 0, at most 10
+lr_growth: float = 1.007  # warm-up factor per step, from 1 to 2
+lr_cap: float = 0.05  # learning rate the warm-up stops at with bug False, above 0, at most 10
+log_interval: int = 50  # steps between two readings of the monitor, from 1 to steps
+alert_factor: float = 3.0  # the monitor alerts at this multiple of its running mean, above 0, at most 1000
+micro_batches: int = 3  # backward passes accumulated per step (case L2), from 1 to 64
+timing_seconds: float = 0.2  # seconds each variant of the cost comparison runs, above 0, at most 60
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

@@ -59,15 +59,15 @@ from labkit.progress import track
 # builds it right.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
 width: int = 32  # width of the residual stream, from 1 to 1024
-depths: list[int] = [8, 16, 32]  # residual block counts measured at initialisation, each from 1 to 1000
+depths: list[int] = [8, 16, 32]  # residual block counts measured at initialisation, each from 1 to 1000, at most 16 values
 seeds: int = 3  # seeds each depth is measured over, from 1 to 100
-train_depths: list[int] = [8, 32]  # residual block counts that are trained, each from 1 to 1000
+train_depths: list[int] = [8, 32]  # residual block counts that are trained, each from 1 to 1000, at most 16 values
 train_steps: int = 40  # SGD steps of each training run, from 1 to 100000
 train_seeds: int = 2  # seeds each trained depth runs over, from 1 to 100
-lr: float = 0.05  # SGD learning rate, above 0
+lr: float = 0.05  # SGD learning rate, above 0, at most 10
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

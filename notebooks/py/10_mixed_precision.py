@@ -64,13 +64,13 @@ from labkit.progress import track
 # `nan_burst_steps` is the length of the run of NaN gradients in case G6.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-hidden: int = 64  # hidden units per layer of the digits MLP, at least 1
-pretrain_steps: int = 100  # full-batch SGD steps into the late phase of training, at least 1
-amp_steps: int = 20  # fp16 autocast steps after the pretraining, at least 1
-scaler_steps: int = 2000  # length of the gradient stream driving the GradScaler simulations, at least 50
-nan_burst_steps: int = 200  # length of the run of NaN gradients (case G6), at least 1
+hidden: int = 64  # hidden units per layer of the digits MLP, from 1 to 4096
+pretrain_steps: int = 100  # full-batch SGD steps into the late phase of training, from 1 to 100000
+amp_steps: int = 20  # fp16 autocast steps after the pretraining, from 1 to 10000
+scaler_steps: int = 2000  # length of the gradient stream driving the GradScaler simulations, from 50 to 100000
+nan_burst_steps: int = 200  # length of the run of NaN gradients (case G6), from 1 to 100000
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

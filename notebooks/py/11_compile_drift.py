@@ -62,14 +62,14 @@ from labkit.progress import track
 # way the article suggests (`module._compiled = False`); `bug=False` uses `torch.compiler.disable`.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
 backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
 compile_mode: str = "reduce-overhead"  # inductor's mode for case H1: "default", "reduce-overhead" or "max-autotune"
-hidden: int = 32  # hidden units of the model, at least 1
-batch: int = 128  # samples per SGD step, at least 1
-drift_steps: int = 300  # SGD steps of the eager, compiled and float64 runs, at least 1
-lr: float = 0.1  # SGD learning rate, above 0
+hidden: int = 32  # hidden units of the model, from 1 to 4096
+batch: int = 128  # samples per SGD step (449 in the test split), from 1 to 449
+drift_steps: int = 300  # SGD steps of the eager, compiled and float64 runs, from 1 to 10000
+lr: float = 0.1  # SGD learning rate, above 0, at most 10
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

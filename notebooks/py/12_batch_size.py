@@ -64,19 +64,19 @@ from labkit.probes import UtilisationSampler, measure_time
 # learning rate tuned for the first, smallest batch); `bug=False` averages the loss instead.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-hidden: int = 32  # hidden units of the MLP, at least 1
-noise_batches: list[int] = [4, 8, 16, 32, 64, 128, 256]  # batch sizes of the gradient-noise case, each at least 1
-noise_draws: int = 200  # random batches drawn per batch size, at least 2
-timing_batches: list[int] = [95, 96, 97, 127, 128, 129]  # batch sizes timed for throughput, each at least 1
-timing_width: int = 1024  # width of the timed MLP, at least 1
-per_device_batch: int = 8  # samples per device per micro-batch (global batch case), at least 1
-devices: int = 4  # simulated devices, at least 1
-accumulation_steps: int = 2  # micro-batches accumulated per step, at least 1
-scheduler_batches: list[int] = [16, 32, 64, 128, 256]  # batch sizes of the schedule (case J4), each at least 1
-steps_per_batch: int = 10  # SGD steps at each scheduled batch size, at least 1
-lr: float = 0.5  # SGD learning rate, above 0
+hidden: int = 32  # hidden units of the MLP, from 1 to 4096
+noise_batches: list[int] = [4, 8, 16, 32, 64, 128, 256]  # batch sizes of the gradient-noise case (1348 training digits), each from 1 to 1348, at most 16 values
+noise_draws: int = 200  # random batches drawn per batch size, from 2 to 10000
+timing_batches: list[int] = [95, 96, 97, 127, 128, 129]  # batch sizes timed for throughput, each from 1 to 4096, at most 16 values
+timing_width: int = 1024  # width of the timed MLP, from 1 to 4096
+per_device_batch: int = 8  # samples per device per micro-batch (global batch case), from 1 to 1348
+devices: int = 4  # simulated devices, from 1 to 64
+accumulation_steps: int = 2  # micro-batches accumulated per step, from 1 to 64
+scheduler_batches: list[int] = [16, 32, 64, 128, 256]  # batch sizes of the schedule (case J4), each from 1 to 1348, at most 16 values
+steps_per_batch: int = 10  # SGD steps at each scheduled batch size, from 1 to 10000
+lr: float = 0.5  # SGD learning rate, above 0, at most 10
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

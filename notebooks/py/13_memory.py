@@ -62,13 +62,13 @@ from labkit import autograd_graph, claims, datasets, figures, grading, memory, r
 # every step's graph alive; `bug=False` adds `loss.item()` under [`torch.no_grad()`](GLOSSARY.md#no_grad-and-inference_mode) instead.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-k1_batches: list[int] = [1, 32, 256]  # batch sizes of the activation-memory table (case K1), each at least 1
-vit_batches: list[int] = [1, 32]  # ViT-Base batch sizes of the step-peak estimate, each at least 1
-resnet_batch: int = 96  # ResNet-50 batch of the peak estimate (case K8), at least 1
-validation_rows: int = 256  # test digits of each validation pass (the leak), at least 1
-validation_steps: int = 3  # training steps each followed by validation (the leak), at least 1
+k1_batches: list[int] = [1, 32, 256]  # batch sizes of the activation-memory table (case K1), each from 1 to 1024, at most 8 values
+vit_batches: list[int] = [1, 32]  # ViT-Base batch sizes of the step-peak estimate, each from 1 to 128, at most 8 values
+resnet_batch: int = 96  # ResNet-50 batch of the peak estimate (case K8), from 1 to 256
+validation_rows: int = 256  # test digits of each validation pass (the leak; 449 in the split), from 1 to 449
+validation_steps: int = 3  # training steps each followed by validation (the leak), from 1 to 1000
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

@@ -63,16 +63,16 @@ from labkit.probes import UtilisationSampler, measure_time
 # generator, loaded without reseeding it per worker); `bug=False` runs the same loader with the fix.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-num_workers: int = 2  # DataLoader worker processes, at least 0
-samples: int = 256  # training digits, at least 1
-batch_size: int = 64  # samples per batch, at least 1
-epochs: int = 4  # training epochs, at least 1
-lr: float = 0.1  # SGD learning rate, above 0
-sleep_ms: float = 5.0  # milliseconds each item of the slow dataset takes, at least 0
-worker_counts: list[int] = [0, 2, 4]  # worker counts of the throughput measurement, each at least 0
-noisy_samples: int = 32  # samples of the augmentation case (I3), at least 1
+num_workers: int = 2  # DataLoader worker processes, from 0 to 16
+samples: int = 256  # training digits, from 1 to 1348
+batch_size: int = 64  # samples per batch, from 1 to 1348
+epochs: int = 4  # training epochs, from 1 to 1000
+lr: float = 0.1  # SGD learning rate, above 0, at most 10
+sleep_ms: float = 5.0  # milliseconds each item of the slow dataset takes, from 0 to 1000
+worker_counts: list[int] = [0, 2, 4]  # worker counts of the throughput measurement, each from 0 to 16, at most 8 values
+noisy_samples: int = 32  # samples of the augmentation case (I3), from 1 to 1348
 bug: bool = True  # True runs the planted bug, False the fix
 
 # %%

@@ -69,12 +69,12 @@ from labkit.probes import ceiling, copy_bandwidth, fraction_of_ceiling, measure_
 # The sizes of the CPU measurements; the GPU cells use fixed shapes large enough to time.
 
 # %% tags=["parameters"]
-seed: int = 0  # seed of every random stream, at least 0
+seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-ffn_blocks: int = 6  # blocks of the feed-forward stack (case K4), at least 1
-ffn_width: int = 128  # width of the feed-forward stack, at least 1
-ffn_rows: int = 32  # rows of its input, at least 1
-attention_lengths: list[int] = [128, 256, 512, 1024]  # sequence lengths of the attention case (K6), each at least 1
+ffn_blocks: int = 6  # blocks of the feed-forward stack (case K4), from 1 to 64
+ffn_width: int = 128  # width of the feed-forward stack, from 1 to 4096
+ffn_rows: int = 32  # rows of its input, from 1 to 4096
+attention_lengths: list[int] = [128, 256, 512, 1024]  # sequence lengths of the attention case (K6), each from 1 to 2048, at most 8 values
 
 # %%
 repro.check_parameters(globals())
