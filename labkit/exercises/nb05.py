@@ -6,7 +6,9 @@ BatchNorm trains (the planted bug calls `model.train()` alone, so the backbone's
 follow the fine-tuning batches: claims D2 and D4; freezing every BatchNorm, as the notebook's remedy
 does for a model that is all pretrained, leaves the head's never-estimated statistics at 0 and 1). 05.2 asks for a precise re-estimate of BatchNorm running
 statistics on new data (the planted bug runs a few batches in train mode, so the exponential average
-keeps most of the old statistics: claim D4). Fixtures are float64 on the CPU and their new data is
+keeps most of the old statistics: claim D4); its model has a Dropout between its BatchNorm layers, so
+`update_bn`, the notebook's tool, which puts the whole model in train mode, collects statistics of
+dropped-out inputs. Fixtures are float64 on the CPU and their new data is
 shifted far from the statistics the layers hold, because that is when the bugs bite.
 """
 
