@@ -76,6 +76,15 @@ def grad_of_each_call(w, inputs):
         grads.append(w.grad.clone())
     return grads
 """)
+mistake("00.2", "derives tanh' by hand", says="from a formula written by hand", answer="""
+def grad_of_each_call(w, inputs):
+    return [(1 - torch.tanh(w * x) ** 2) * x for x in inputs]
+""")
+mistake("00.2", "derives tanh' by hand, detached", says="from a formula written by hand", answer="""
+def grad_of_each_call(w, inputs):
+    with torch.no_grad():
+        return [(1 - torch.tanh(w * x) ** 2) * x for x in inputs]
+""")
 mistake("00.2", "appends autograd.grad's tuple", says="entry 0 of your list is a tuple, not a tensor", answer="""
 def grad_of_each_call(w, inputs):
     return [torch.autograd.grad(torch.tanh(w * x).sum(), w) for x in inputs]
@@ -183,10 +192,20 @@ def accumulate_gradients(model, x, y, micro_batch):
     for x_piece, y_piece in zip(x.split(micro_batch), y.split(micro_batch)):
         F.cross_entropy(model(x_piece), y_piece).backward()
 """)
-mistake("02.2", "sum divided by micro_batch", says=".grad is 3.75 times the full-batch gradient", answer="""
+mistake("02.2", "sum divided by micro_batch", says=".grad is 2.75 times the full-batch gradient", answer="""
 def accumulate_gradients(model, x, y, micro_batch):
     for x_piece, y_piece in zip(x.split(micro_batch), y.split(micro_batch)):
         (F.cross_entropy(model(x_piece), y_piece, reduction="sum") / micro_batch).backward()
+""")
+mistake("02.2", "copies the notebook's weight_by_rows helper", says="you weighed each micro-batch by its rows", answer="""
+def accumulate_gradients(model, x, y, micro_batch):
+    for x_piece, y_piece in zip(x.split(micro_batch), y.split(micro_batch)):
+        (F.cross_entropy(model(x_piece), y_piece) * len(y_piece) / len(y)).backward()
+""")
+mistake("02.2", "summed losses over len(y)", says="you divided the summed losses by len(y) = 30", answer="""
+def accumulate_gradients(model, x, y, micro_batch):
+    for x_piece, y_piece in zip(x.split(micro_batch), y.split(micro_batch)):
+        (F.cross_entropy(model(x_piece), y_piece, reduction="sum") / len(y)).backward()
 """)
 mistake("02.2", "zero_grad inside the loop", says="only the last micro-batch's gradient is left in .grad", answer="""
 def accumulate_gradients(model, x, y, micro_batch):
@@ -284,6 +303,26 @@ def set_finetune_mode(model, pretrained):
 """)
 
 # 05.2 re-estimate BatchNorm statistics on new data
+mistake("05.2", "copies update_bn from the notebook", says="Dropout was in train mode during your forward passes", answer="""
+def recalibrate_batchnorm(model, x, batch_size):
+    torch.optim.swa_utils.update_bn(list(x.split(batch_size)), model)
+    model.eval()
+""")
+mistake("05.2", "reset and momentum=None, whole model in train mode", says="Dropout was in train mode", answer="""
+def recalibrate_batchnorm(model, x, batch_size):
+    layers = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    momenta = [layer.momentum for layer in layers]
+    model.train()
+    for layer in layers:
+        layer.reset_running_stats()
+        layer.momentum = None
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            model(x[start:start + batch_size])
+    for layer, momentum in zip(layers, momenta):
+        layer.momentum = momentum
+    model.eval()
+""")
 mistake("05.2", "momentum=None without a reset", says="were never reset", answer="""
 def recalibrate_batchnorm(model, x, batch_size):
     layers = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
@@ -618,6 +657,15 @@ def batch_for_noise(per_sample_grads, ratio):
 """)
 
 # 13.1 a validation loss that frees its graphs
+mistake("13.1", "mean over rows instead of batches", says="the mean over all rows, which weighs each batch", answer="""
+def mean_validation_loss(model, batches):
+    total, rows = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            total += F.cross_entropy(model(x), y, reduction="sum").item()
+            rows += len(y)
+    return total / rows
+""")
 mistake("13.1", "+= keeps a tensor", says="the autograd graph of batch 1 was still alive", answer="""
 def mean_validation_loss(model, batches):
     total = 0.0

@@ -155,7 +155,8 @@ variants(
 def accumulate_gradients(model, x, y, micro_batch):
     for start in range(0, len(x), micro_batch):
         x_piece, y_piece = x[start:start + micro_batch], y[start:start + micro_batch]
-        (F.cross_entropy(model(x_piece), y_piece) * len(y_piece) / len(y)).backward()
+        labelled_here, labelled = (y_piece != -100).sum(), (y != -100).sum()
+        (F.cross_entropy(model(x_piece), y_piece) * labelled_here / labelled).backward()
 """,
     # The full batch in one forward: right gradient, but it ignores the memory limit the lesson is about.
     dodge="""

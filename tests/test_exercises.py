@@ -251,3 +251,14 @@ def test_an_id_registered_by_another_module_is_refused(monkeypatch):
     register = exercises.exercise("00.1", notebook="00_start_here", title="t", hint="h", planted="p")
     with pytest.raises(LabkitError, match="registered twice"):
         register(lambda answer: "never")
+
+
+def test_a_gradient_from_torch_func_passes_00_2():
+    # 00.2 rejects a derivative written by hand (tests/exercise_mistakes.py); torch.func.grad never
+    # reaches w's hook, so the check must recognise its double-backward graph as autograd's work.
+    answer = define("""
+def grad_of_each_call(w, inputs):
+    return [torch.func.grad(lambda v: torch.tanh(v * x).sum())(w) for x in inputs]
+""", "grad_of_each_call")
+    result = grading.run_check("00.2", answer)
+    assert result.passed, result.message

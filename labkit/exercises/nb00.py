@@ -189,7 +189,12 @@ def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
     w_before = w.detach().clone()
     left_over = w.grad.clone()
     expected = [torch.autograd.grad(_per_call_loss(w, x), w)[0] for x in inputs]
-    grads = grad_of_each_call(w, inputs)
+    differentiated = []  # one entry per backward pass or autograd.grad call that reached w
+    handle = w.register_hook(lambda grad: differentiated.append(True))
+    try:
+        grads = grad_of_each_call(w, inputs)
+    finally:
+        handle.remove()
     _require_tensor_list(grads, len(inputs))
     if not torch.equal(w.detach(), w_before):
         raise NotYet("your function changed the values of w", hint="only call backward; never update w here")
@@ -208,6 +213,7 @@ def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
         )
     for index, (got, want) in enumerate(zip(grads, expected)):
         _require_gradient(got, want, inputs[index], index)
+    _require_autograd(grads, len(differentiated))
     return (
         f"each of the {len(inputs)} gradients matches torch.autograd.grad for its own call, "
         "even with an old gradient in w.grad"
@@ -235,6 +241,37 @@ def _require_tensor_list(grads: object, count: int) -> None:
     for index, grad in enumerate(grads):
         if not isinstance(grad, torch.Tensor):
             raise NotYet(f"entry {index} of your list is a {type(grad).__name__}, not a tensor")
+
+
+def _require_autograd(grads: list[torch.Tensor], passes: int) -> None:
+    """A gradient autograd computed either reached w's hook (backward, autograd.grad) or carries a
+    double-backward node (torch.func.grad); a formula written by hand does neither."""
+    if passes >= len(grads) or all(_differentiated_by_autograd(grad) for grad in grads):
+        return
+    raise NotYet(
+        f"autograd differentiated through w {passes} time(s) for {len(grads)} inputs: your gradients come from a "
+        "formula written by hand (such as (1 - tanh(w * x) ** 2) * x), and the exercise asks autograd to do the "
+        "calculus, which is what keeps working when the loss changes",
+        hint=(
+            "which call makes autograd compute a gradient with respect to w?",
+            "for each x, build torch.tanh(w * x).sum() and get its gradient from autograd: backward() with a cleared "
+            "w.grad, or torch.autograd.grad, which leaves .grad alone",
+        ),
+    )
+
+
+def _differentiated_by_autograd(grad: torch.Tensor) -> bool:
+    """Whether `grad`'s graph holds a node of a backward pass (named like TanhBackwardBackward0)."""
+    seen, stack = set(), [grad.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if "BackwardBackward" in type(node).__name__:
+            return True
+        seen.add(node)
+        stack.extend(parent for parent, _ in node.next_functions)
+    return False
 
 
 def _require_gradient(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, index: int) -> None:

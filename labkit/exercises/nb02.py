@@ -3,7 +3,9 @@
 02.1 asks for a clipped optimizer step (the planted bug calls `zero_grad()` between `backward()` and
 `clip_grad_norm_`, so it clips nothing and steps with nothing: claim B7). 02.2 asks for gradient
 accumulation over micro-batches that equals the full-batch gradient even when the last micro-batch
-is short (the planted bug divides each micro-batch's mean loss by the number of micro-batches: B4).
+is short (the planted bug divides each micro-batch's mean loss by the number of micro-batches: B4)
+and some labels are -100, cross_entropy's ignore_index, so that the mean counts labelled rows, not
+rows: weighting each micro-batch by its rows, as the notebook's own helper does, is not enough.
 Every fixture is float64 on the CPU, so the references are exact to rounding.
 """
 
@@ -36,6 +38,7 @@ CLIPPED_NORM_TOLERANCE = 1e-4
 # 02.2: (rows, micro_batch) splits: ragged, ragged with a short tail, equal, and one piece.
 SPLITS = ((30, 8), (10, 4), (32, 8), (7, 16))
 IN_FEATURES, HIDDEN, CLASSES = 6, 5, 3
+UNLABELLED = -100  # F.cross_entropy's default ignore_index: these rows do not count in its mean
 
 
 @exercise(
@@ -170,12 +173,16 @@ def _require_clipped_update(
     notebook=NOTEBOOK,
     title="accumulate micro-batches into the full-batch gradient",
     hint=(
-        "the check splits 30 rows into 8 + 8 + 8 + 6: does your last micro-batch count as much as its 6 rows, or as much as 8?",
-        "the full-batch mean weighs every row by 1 / len(y), whichever micro-batch it is in",
         (
-            "weight each micro-batch by its share of the rows: sum its per-row losses "
-            "(reduction='sum') and divide by len(y), the row count of the whole batch, so a short last "
-            "micro-batch counts as much as its rows (claim B4)"
+            "the check splits 30 rows into 8 + 8 + 8 + 6, and some labels are -100, which F.cross_entropy ignores: "
+            "how many rows does the full-batch mean count, and how much does each of your micro-batches count?"
+        ),
+        "the full-batch mean weighs every labelled row by 1 / (the number of labelled rows in y), whichever "
+        "micro-batch it is in; a row labelled -100 weighs nothing",
+        (
+            "sum each micro-batch's per-row losses (reduction='sum', which skips the labels -100) and divide by "
+            "(y != -100).sum(), the labelled rows of the whole batch, so each micro-batch counts as much as its "
+            "labelled rows (claim B4)"
         ),
     ),
     planted="gives the short last micro-batch the weight of a full one",
@@ -207,7 +214,9 @@ def _accumulation_fixture(rows: int) -> tuple[nn.Module, torch.Tensor, torch.Ten
         for parameter in model.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
     x = torch.randn(rows, IN_FEATURES, generator=generator, dtype=torch.float64)
-    return model, x, torch.randint(0, CLASSES, (rows,), generator=generator)
+    y = torch.randint(0, CLASSES, (rows,), generator=generator)
+    y[: rows // 2 : 2] = UNLABELLED  # the first micro-batches hold the unlabelled rows, the last ones none
+    return model, x, y
 
 
 def _require_micro_batches(widest: list[int], micro_batch: int, rows: int) -> None:
@@ -231,18 +240,29 @@ def _require_full_batch_gradient(
     if _max_difference(grads, list(expected)) <= TOLERANCE:
         return
     pieces = len(x.split(micro_batch))
-    mean_of_means = _weighted_gradient(model, x, y, micro_batch, lambda piece_rows: 1 / pieces)
-    unscaled = _weighted_gradient(model, x, y, micro_batch, lambda piece_rows: 1.0)
+    labelled = int((y != UNLABELLED).sum())
+    mean_of_means = _weighted_gradient(model, x, y, micro_batch, lambda piece: 1 / pieces)
+    unscaled = _weighted_gradient(model, x, y, micro_batch, lambda piece: 1.0)
+    by_rows = _weighted_gradient(model, x, y, micro_batch, lambda piece: len(piece) / len(y))
+    if _max_difference(grads, by_rows) <= TOLERANCE:
+        first = y.split(micro_batch)[0]
+        raise NotYet(
+            f"you weighed each micro-batch by its rows, but F.cross_entropy's mean leaves out the rows labelled "
+            f"{UNLABELLED} (its ignore_index): it divides by the {labelled} labelled rows of {len(y)}, and your first "
+            f"micro-batch has {int((first != UNLABELLED).sum())} labelled rows of {len(first)}"
+        )
     if _max_difference(grads, mean_of_means) <= TOLERANCE:
         raise NotYet(
             f"with {len(y)} rows in micro-batches of {micro_batch}, dividing each micro-batch's mean loss by the "
             "number of micro-batches gives the short last micro-batch the weight of a full one"
         )
     if _max_difference(grads, unscaled) <= TOLERANCE:
-        raise NotYet(f"the gradient is the sum of the {pieces} micro-batch means, not the mean over all {len(y)} rows")
+        raise NotYet(f"the gradient is the sum of the {pieces} micro-batch means, not the mean over the "
+                     f"{labelled} labelled rows of all {len(y)}")
     last_rows = len(y.split(micro_batch)[-1])
+    last_labelled = int((y.split(micro_batch)[-1] != UNLABELLED).sum())
     last_only = _last_piece_gradient(model, x, y, micro_batch)
-    for weight in (last_rows / len(y), 1.0, 1 / pieces, last_rows / micro_batch):
+    for weight in (last_rows / len(y), 1.0, 1 / pieces, last_rows / micro_batch, last_labelled / labelled):
         if _max_difference(grads, [weight * g for g in last_only]) <= TOLERANCE:
             raise NotYet(
                 f"only the last micro-batch's gradient is left in .grad: something cleared .grad between the "
@@ -253,13 +273,24 @@ def _require_full_batch_gradient(
                 ),
             )
     ratio = _ratio_to(grads, list(expected))
+    if ratio is not None and abs(ratio - labelled / len(y)) <= TOLERANCE:
+        raise NotYet(
+            f".grad is {ratio:.4g} times the full-batch gradient: you divided the summed losses by len(y) = "
+            f"{len(y)}, every row, but the mean divides by the {labelled} labelled rows (label {UNLABELLED} is "
+            "ignored)",
+            hint=(
+                "which rows does F.cross_entropy(model(x), y) count when some labels are -100?",
+                "divide the summed per-row losses by (y != -100).sum(), the labelled rows of the whole batch",
+            ),
+        )
     if ratio is not None:
         raise NotYet(
             f"with {len(y)} rows in micro-batches of {micro_batch}, .grad is {ratio:.4g} times the full-batch "
             "gradient: every row counts, but divided by the wrong number",
             hint=(
                 "which number does the full-batch mean divide the summed per-row losses by?",
-                "the full-batch mean divides the summed per-row losses by len(y), the rows of the whole batch",
+                "the full-batch mean divides the summed per-row losses by (y != -100).sum(), the labelled rows of the "
+                "whole batch",
             ),
         )
     raise NotYet(
@@ -269,12 +300,12 @@ def _require_full_batch_gradient(
 
 
 def _weighted_gradient(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batch: int, weight: Callable[[int], float]
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batch: int, weight: Callable[[torch.Tensor], float]
 ) -> list[torch.Tensor]:
-    """The gradient of sum over micro-batches of weight(rows) * mean loss: names a wrong weighting."""
+    """The gradient of sum over micro-batches of weight(labels of the piece) * mean loss: names a wrong weighting."""
     params = list(model.parameters())
     total = sum(
-        weight(len(y_piece)) * F.cross_entropy(model(x_piece), y_piece)
+        weight(y_piece) * F.cross_entropy(model(x_piece), y_piece)
         for x_piece, y_piece in zip(x.split(micro_batch), y.split(micro_batch))
     )
     return list(torch.autograd.grad(total, params))

@@ -6,7 +6,9 @@ BatchNorm trains (the planted bug calls `model.train()` alone, so the backbone's
 follow the fine-tuning batches: claims D2 and D4; freezing every BatchNorm, as the notebook's remedy
 does for a model that is all pretrained, leaves the head's never-estimated statistics at 0 and 1). 05.2 asks for a precise re-estimate of BatchNorm running
 statistics on new data (the planted bug runs a few batches in train mode, so the exponential average
-keeps most of the old statistics: claim D4). Fixtures are float64 on the CPU and their new data is
+keeps most of the old statistics: claim D4); its model has a Dropout between its BatchNorm layers, so
+`update_bn`, the notebook's tool, which puts the whole model in train mode, collects statistics of
+dropped-out inputs. Fixtures are float64 on the CPU and their new data is
 shifted far from the statistics the layers hold, because that is when the bugs bite.
 """
 
@@ -41,6 +43,7 @@ def _batchnorm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 PRETRAINED = "backbone"
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def _mode_fixture() -> nn.Sequential:
@@ -140,7 +143,7 @@ def _require_statistics_after_a_training_step(model: nn.Module) -> None:
 def _recalibration_fixture() -> tuple[nn.Sequential, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 6), nn.BatchNorm1d(6),
+        nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 6), nn.BatchNorm1d(6),
     ).double()
     generator = torch.Generator().manual_seed(2)
     old_data = torch.randn(200, 5, generator=generator, dtype=torch.float64)
@@ -217,13 +220,19 @@ def check_recalibrate_batchnorm(recalibrate_batchnorm: Callable) -> str:
 
 @contextmanager
 def _watching_training_forwards(model: nn.Module) -> Iterator[dict[str, list[tuple[float | None, int]]]]:
-    """Per BatchNorm layer, (momentum, num_batches_tracked) at each forward pass it ran in training mode."""
-    forwards: dict[str, list[tuple[float | None, int]]] = {}
+    """Per BatchNorm layer, (momentum, num_batches_tracked, whether a Dropout before it was in train mode) at
+    each forward pass it ran in training mode."""
+    forwards: dict[str, list[tuple[float | None, int, bool]]] = {}
+    modules = list(model.modules())
 
     def watch(name: str) -> Callable:
+        layer_at = modules.index(model.get_submodule(name))
+        dropouts = [module for module in modules[:layer_at] if isinstance(module, DROPOUTS)]
+
         def record(layer: nn.Module, args: tuple) -> None:
             if layer.training:
-                forwards.setdefault(name, []).append((layer.momentum, int(layer.num_batches_tracked)))
+                dropping = any(dropout.training for dropout in dropouts)
+                forwards.setdefault(name, []).append((layer.momentum, int(layer.num_batches_tracked), dropping))
         return record
 
     handles = [layer.register_forward_pre_hook(watch(name)) for name, layer in _batchnorm_layers(model)]
@@ -235,7 +244,7 @@ def _watching_training_forwards(model: nn.Module) -> Iterator[dict[str, list[tup
 
 
 def _require_statistics_of(
-    name: str, layer: nn.Module, inputs: torch.Tensor, forwards: list[tuple[float | None, int]]
+    name: str, layer: nn.Module, inputs: torch.Tensor, forwards: list[tuple[float | None, int, bool]]
 ) -> None:
     true_mean, true_var = inputs.mean(0), inputs.var(0)
     mean_error = ((layer.running_mean - true_mean).abs() / true_var.sqrt()).max().item()
@@ -246,16 +255,31 @@ def _require_statistics_of(
     ratio = layer.running_var / true_var
     low, high = ratio.min().item(), ratio.max().item()
     if not (VARIANCE_RATIO[0] <= low and high <= VARIANCE_RATIO[1]):
+        reason, hint = _why_statistics_are_stale(forwards) if _dropout_was_on(forwards) else ("", None)
         raise NotYet(
             f"the running variance of '{name}' is {low:.2f}x to {high:.2f}x the variance of the new data"
-        )
+            + (f": {reason}" if reason else ""), hint=hint)
 
 
-def _why_statistics_are_stale(forwards: list[tuple[float | None, int]]) -> tuple[str, Hint | None]:
+def _dropout_was_on(forwards: list[tuple[float | None, int, bool]]) -> bool:
+    return any(dropping for _, _, dropping in forwards)
+
+
+def _why_statistics_are_stale(forwards: list[tuple[float | None, int, bool]]) -> tuple[str, Hint | None]:
     """Name the mistake, and its hint, from what the layer was set to during the learner's forward passes."""
     if not forwards:
         return "the layer never ran a forward pass in training mode, so its statistics were never updated", None
-    momentum, counted = forwards[0]
+    if _dropout_was_on(forwards):
+        return (
+            "the model's Dropout was in train mode during your forward passes, so the layer averaged the statistics "
+            "of dropped-out inputs, which it never sees in eval mode (model.train(), and update_bn, switch Dropout "
+            "on too)",
+            (
+                "which other layers behave differently in train mode, and what did they do to this layer's input?",
+                "put the model in eval mode and only the BatchNorm layers in train mode while you collect statistics",
+            ),
+        )
+    momentum, counted, _ = forwards[0]
     if momentum is None and counted > 0:
         return (
             "the statistics it held before were never reset: with momentum=None BatchNorm averages over every "

@@ -28,7 +28,7 @@ __all__: list[str] = []
 
 NOTEBOOK = "13_memory"
 FEATURES, HIDDEN, CLASSES = 8, 32, 4
-BATCHES, ROWS = 5, 6
+BATCHES, ROWS, LAST_ROWS = 5, 6, 2  # the last batch is short, as a validation set's last batch often is
 TOLERANCE = 1e-12
 
 
@@ -65,7 +65,9 @@ def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
     """The mean must be right, and no graph older than the previous batch may be alive."""
     model, batches = _validation_fixture()
     with torch.no_grad():
-        expected = sum(F.cross_entropy(model(x), y).item() for x, y in batches) / len(batches)
+        losses = [F.cross_entropy(model(x), y).item() for x, y in batches]
+    expected = sum(losses) / len(batches)
+    row_weighted = sum(loss * len(y) for loss, (_, y) in zip(losses, batches)) / sum(len(y) for _, y in batches)
     alive: weakref.WeakSet = weakref.WeakSet()
     batch_index = [0]
     stale: list[tuple[int, int]] = []
@@ -84,7 +86,7 @@ def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
     model.register_forward_pre_hook(before_forward)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
         result = mean_validation_loss(model, batches)
-    _require_mean(result, expected)
+    _require_mean(result, expected, row_weighted)
     if stale:
         now, oldest = stale[0]
         raise NotYet(
@@ -102,16 +104,24 @@ def _validation_fixture() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Ten
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
-    batches = [(torch.randn(ROWS, FEATURES, generator=generator, dtype=torch.float64),
-                torch.randint(0, CLASSES, (ROWS,), generator=generator)) for _ in range(BATCHES)]
+    sizes = [ROWS] * (BATCHES - 1) + [LAST_ROWS]
+    batches = [(torch.randn(rows, FEATURES, generator=generator, dtype=torch.float64),
+                torch.randint(0, CLASSES, (rows,), generator=generator)) for rows in sizes]
     return model, batches
 
 
-def _require_mean(result: object, expected: float) -> None:
+def _require_mean(result: object, expected: float, row_weighted: float) -> None:
     if isinstance(result, torch.Tensor):
         raise NotYet("you returned a tensor: return the mean as a Python float (.item()), which holds no graph")
     if not isinstance(result, float):
         raise NotYet(f"you returned a {type(result).__name__}, not the mean loss as a Python float")
+    if math.isclose(result, row_weighted, rel_tol=1e-9, abs_tol=TOLERANCE):
+        raise NotYet(
+            f"you returned {result:.6g}, the mean over all rows, which weighs each batch by its rows; the task asks "
+            f"for the mean of the {BATCHES} batch losses, each batch counting once ({expected:.6g}): the last "
+            f"batch has {LAST_ROWS} rows, not {ROWS}",
+            hint="add up F.cross_entropy(model(x), y).item() per batch and divide by len(batches)",
+        )
     if not math.isclose(result, expected, rel_tol=1e-9, abs_tol=TOLERANCE):
         raise NotYet(
             f"you returned {result:.6g}, but the mean of F.cross_entropy(model(x), y) over the "

@@ -18,8 +18,8 @@
 # **You will learn**
 # - how every notebook here runs: a claim from an article, a reproduction, a measurement, a verdict
 #   and a proven fix
-# - that `.grad` adds up across backward passes, and what a training loop that forgets `zero_grad()`
-#   does
+# - what `.grad` holds after two backward passes, and what a training loop that forgets
+#   `zero_grad()` does
 # - how the graded exercises work: a planted bug, your fix, and a check that tests what your code
 #   does
 #
@@ -118,8 +118,10 @@ after_two = w.grad.clone()
 # and the largest absolute and relative difference.
 
 # %% [markdown]
-# **Predict before you run.** After two backward passes with nothing in between, does `w.grad` hold
-# exactly `g1 + g2` (write `True`) or only the second gradient (write `False`)?
+# **Predict before you run.** After two backward passes with nothing in between, compare `w.grad`
+# with `g1 + g2`, the two gradients autograd computes separately and you add yourself. Will they be
+# equal *bit for bit* (write `True`), or not (write `False`: `w.grad` holds only `g2`, or a float sum
+# that differs in the last digits)?
 # Write your guess into `guess` below, then run the next cells; the line after the measurement
 # compares it with what was measured. (Left at `None`, it just prints the measurement.)
 
@@ -137,7 +139,11 @@ print("against g2 alone:\n" + str(last_only))
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, sum_report.all_exact, what='w.grad equals g1 + g2 exactly'))
+reason = ("backward adds each new gradient into .grad, one float addition per element, the same addition "
+          "as g1 + g2: so the two agree to the last bit, not only approximately") if sum_report.all_exact else (
+          "w.grad was set to None between the passes (clear_between=True), so it holds only the second gradient")
+print(compare_guess(guess, sum_report.all_exact, what='w.grad equals g1 + g2 bit for bit', why=reason,
+                    answer_words=("adds up", "accumulates", "g1 + g2", "bit for bit")))
 
 # %% [markdown]
 # **Verdict**, from those numbers:
@@ -294,10 +300,10 @@ claims.table()
 # The version below looks right and runs without complaint, but it trusts `.grad` to start empty
 # on every step, and claim Z1 says it does not.
 #
-# Where does `zero_grad()` go? Notebook 02 (case B2) shows that calling it *after* `step()` gives
-# the same parameters as calling it before `backward()`, but only when `.grad` is empty before the
-# first step. This check leaves an old gradient in `.grad` first (as after someone inspected the
-# gradients), so only "clear, then backward" is right for every step, the first included.
+# The check leaves an old gradient in `.grad` before your first step, as after someone inspected the
+# gradients. Before you write, decide: at which moment of a step must `.grad` be empty, and which of
+# the places you could clear it (before `backward()`, between `backward()` and `step()`, after
+# `step()`) makes every step right, the first included?
 
 # %%
 # planted bug for exercise 00.1
@@ -346,7 +352,8 @@ grading.check("00.1", one_training_step)
 # ### Exercise 00.2: one gradient per call
 # `grad_of_each_call(w, inputs)` should return, for each `x` in `inputs`, the gradient of
 # `torch.tanh(w * x).sum()` with respect to the one leaf tensor `w`, as if that call were the only
-# one. Let autograd do the calculus: the lesson is where its gradients go.
+# one. Let autograd do the calculus (`backward()`, `torch.autograd.grad` or `torch.func.grad`): the
+# lesson is where its gradients go, and the check rejects a derivative written out by hand.
 
 # %%
 # planted bug for exercise 00.2

@@ -12,7 +12,7 @@
 #   each node saves
 # - in which order backward runs the nodes, and how gradients are routed through pooling, `cat`,
 #   `stack` and `where`
-# - how one `detach()` silently cuts a layer out of training, and how to find the cut parameters
+# - what one `detach()` silently does to training, and how to find the parameters it affects
 # - why gradients vanish or explode as products of per-layer factors
 #
 # **Prerequisites:** [00 · Start here: how Gradient Lab works](00_start_here.ipynb). You should
@@ -789,7 +789,10 @@ plt.show()
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, len(graph.unreachable_params), what='parameter tensors the loss cannot reach'))
+print(compare_guess(guess, len(graph.unreachable_params), what='parameter tensors the loss cannot reach',
+                    why=("detach() returns a tensor without history, so backward stops there: only the parameters "
+                         "before the cut (the first Linear's weight and bias) get no gradient, every later one does"),
+                    answer_words=("cuts a layer out", "first layer's weight and bias")))
 
 # %% [markdown]
 # **The fix, proven**: the same model without the `detach()`.

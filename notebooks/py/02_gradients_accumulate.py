@@ -301,7 +301,8 @@ print("\nmodel .grad against the last gradient alone: all close?", last_report.a
 
 # %% [markdown]
 # **Predict before you run.** With `bug=True` the loop never calls `zero_grad()`. By what factor
-# will the gradient norm the optimizer applies grow from the first step to the last?
+# will the gradient norm the optimizer applies grow from the first step to the last? (For scale: the
+# loop takes `steps` steps, 60 at the defaults, and 1 would mean no growth.)
 # Write your guess into `guess` below, then run the next cells; the line after the measurement
 # compares it with what was measured. (Left at `None`, it just prints the measurement.)
 
@@ -318,7 +319,12 @@ claims.metric("b1_grad_norm_growth", round(reproduction.grad_norms()[-1] / repro
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, round(reproduction.grad_norms()[-1] / reproduction.grad_norms()[0], 1), what='the growth of the applied gradient norm'))
+growth = round(reproduction.grad_norms()[-1] / reproduction.grad_norms()[0], 1)
+reason = (f"without zero_grad() step k applies the sum of all k gradients so far: {steps} steps could give up to "
+          f"{steps}x if they all pointed one way; gradients of different batches partly cancel, so it grows less"
+          ) if bug else "with zero_grad() every step applies its own batch's gradient, so the norm stays near its start"
+print(compare_guess(guess, growth, what='the growth of the applied gradient norm', why=reason,
+                    answer_words=("grows about", "sum of every gradient")))
 
 # %% [markdown]
 # **Measure.** The gradient norm the optimizer applied, step by step, for the loop without
@@ -1129,7 +1135,10 @@ claims.table()
 # ### Exercise 02.1: clip the gradient you are about to use
 # `clipped_step(model, optimizer, loss, max_norm)` should take one optimizer step on `loss` with the
 # gradient's total norm clipped to `max_norm`, and return the total norm *before* clipping as a float.
-# The version below runs without complaint, but it clears the gradient at the wrong moment (B7).
+# The version below runs without complaint, but it clears the gradient at the wrong moment. Case B7's
+# fix states the order, so this exercise is recall, not discovery: write it without scrolling back,
+# and predict first what the check's stale gradient and its question about the norm (before or after
+# clipping?) will catch.
 
 # %%
 # planted bug for exercise 02.1
@@ -1178,10 +1187,11 @@ grading.check("02.1", clipped_step)
 # %% [markdown]
 # ### Exercise 02.2: accumulate micro-batches into the full-batch gradient
 # `accumulate_gradients(model, x, y, micro_batch)` should leave in `.grad` the gradient of
-# `F.cross_entropy(model(x), y)` (the mean over all rows of `x`), while never passing more than
-# `micro_batch` rows through the model at once. The `.grad` buffers start empty. The version below
-# divides each micro-batch's loss by the number of micro-batches (B4), which is only right when they
-# are all the same size.
+# `F.cross_entropy(model(x), y)`, while never passing more than `micro_batch` rows through the model
+# at once. The `.grad` buffers start empty. Unlike case B4's batches, some rows here are unlabelled:
+# their label is -100, `F.cross_entropy`'s default `ignore_index`, so its mean is over the labelled
+# rows only. The version below divides each micro-batch's loss by the number of micro-batches (B4),
+# which is only right when they all hold the same number of rows that count.
 
 # %%
 # planted bug for exercise 02.2
@@ -1194,12 +1204,15 @@ def accumulate_gradients(model, x, y, micro_batch):
 
 
 # %%
-# The symptom: 30 rows in micro-batches of 8 (8 + 8 + 8 + 6) miss the full-batch gradient.
+# The symptom: 30 rows, every other one of the first 15 unlabelled, in micro-batches of 8 (8 + 8 + 8 + 6)
+# miss the full-batch gradient.
 torch.manual_seed(seed)
 accumulated_model, full_model = nn.Linear(64, 10).double(), nn.Linear(64, 10).double()
 full_model.load_state_dict(accumulated_model.state_dict())
-accumulate_gradients(accumulated_model, x_cpu[:30], y_cpu[:30], micro_batch=8)
-F.cross_entropy(full_model(x_cpu[:30]), y_cpu[:30]).backward()
+partly_labelled = y_cpu[:30].clone()
+partly_labelled[:15:2] = -100
+accumulate_gradients(accumulated_model, x_cpu[:30], partly_labelled, micro_batch=8)
+F.cross_entropy(full_model(x_cpu[:30]), partly_labelled).backward()
 print(compare_grads(accumulated_model, full_model, rtol=1e-9, atol=1e-12))
 
 
@@ -1208,8 +1221,9 @@ print(compare_grads(accumulated_model, full_model, rtol=1e-9, atol=1e-12))
 def accumulate_gradients(model, x, y, micro_batch):
     """Leave the gradient of F.cross_entropy(model(x), y) in .grad, at most micro_batch rows per forward."""
     ### BEGIN SOLUTION
+    labelled = (y != -100).sum()
     for x_piece, y_piece in zip(x.split(micro_batch), y.split(micro_batch)):
-        loss = F.cross_entropy(model(x_piece), y_piece, reduction="sum") / len(y)
+        loss = F.cross_entropy(model(x_piece), y_piece, reduction="sum") / labelled
         loss.backward()
     ### END SOLUTION
 

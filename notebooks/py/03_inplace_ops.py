@@ -11,7 +11,7 @@
 # - how autograd's version counter guards the tensors it saved, and why `relu_` after `tanh` raises
 #   while after a Linear it does not
 # - the one common way around the guard (`.data`) and the silent wrong gradient it gives
-# - what really caused a LayerNorm NaN, an embedding collapse and BatchNorm trouble that articles
+# - what really caused a LayerNorm NaN, a failed embedding training and BatchNorm trouble that articles
 #   blame on in-place ops
 # - how far `gradcheck` can be trusted in float32
 #
@@ -537,7 +537,12 @@ print("diag_embed and masked_fill give identical losses at every step:", same_ha
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, round(runs["batch-hard, diag_embed"][1][-1][1], 3), what='the final between-class cosine of batch-hard mining'))
+print(compare_guess(guess, round(runs["batch-hard, diag_embed"][1][-1][1], 3), bounds=(-1, 1),
+                    what='the final between-class cosine of batch-hard mining',
+                    why=("all embeddings start close together, so each anchor's hardest negative is about as near as its "
+                         "hardest positive: batch-hard mining then pulls every embedding toward the others until the "
+                         "loss sits at the margin, and the classes collapse instead of separating"),
+                    answer_words=("collapse",)))
 
 # %%
 fig, (cos_ax, std_ax) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")

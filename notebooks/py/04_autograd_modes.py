@@ -7,8 +7,7 @@
 # `model.train()`, `rsample()` and `pack_padded_sequence` actually change.
 #
 # **You will learn**
-# - that `model.train()` and `torch.no_grad()` are two independent switches, and what each one
-#   changes
+# - what `model.train()` and `torch.no_grad()` each switch, and whether one affects the other
 # - why `sample()` gives an actor no gradient and `rsample()` does
 # - how a value computed under `no_grad` silently freezes a parameter
 # - why an LSTM's final state is wrong on a padded batch unless it is packed
@@ -143,7 +142,10 @@ print(f"two forwards on the same batch differ (dropout active): {dropout_active}
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, running_stats_moved, what="BatchNorm's running mean changed under no_grad"))
+print(compare_guess(guess, running_stats_moved, what="BatchNorm's running mean changed under no_grad",
+                    why=("no_grad() only stops autograd from recording; whether BatchNorm updates its running "
+                         "statistics depends on train mode alone, which no_grad() does not touch"),
+                    answer_words=("independent switches", "independent of")))
 
 # %% [markdown]
 # And `torch.inference_mode()`, the proposed replacement? It disables gradients the same way, and

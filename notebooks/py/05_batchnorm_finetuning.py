@@ -9,7 +9,7 @@
 #
 # **You will learn**
 # - what eval and train mode do to a frozen backbone's BatchNorm while a new head trains
-# - how running statistics drift on small fine-tuning batches, and what that costs in accuracy over
+# - how running statistics drift on small fine-tuning batches, and what that does to accuracy over
 #   seeds
 # - which of the article's two remedies works, and why
 # - where a BatchNorm NaN comes from, and the look-alike failures of fine-tuning
@@ -389,9 +389,11 @@ print(claims.case("D2").claim)
 # head trains.
 
 # %% [markdown]
-# **Predict before you run.** With `bug=True` the frozen backbone's BatchNorm stays in train mode
-# while the head trains on small batches. What test accuracy (a share from 0 to 1) will the
-# fine-tuned model reach?
+# **Predict before you run.** Case D1 printed the head's test accuracy with the backbone in eval
+# mode, seed by seed: that is your reference point. The article's headline fix keeps BatchNorm in
+# train mode with its weight and bias frozen, and reports 89.7% for its fix. Over the same seeds and
+# at this batch size, what mean test accuracy (a share from 0 to 1, such as 0.75) will that train
+# mode reach: above eval mode's, or below?
 # Write your guess into `guess` below, then run the next cells; the line after the measurement
 # compares it with what was measured. (Left at `None`, it just prints the measurement.)
 
@@ -405,11 +407,6 @@ print(f"bug={bug}, batch_size={batch_size}: test accuracy {reproduction.eval_acc
       f"per BatchNorm layer {drift_text} pretrained std")
 claims.metric("eval_acc", round(reproduction.eval_acc, 4))
 claims.metric("running_mean_drift", round(max(reproduction.drift), 4))
-
-# %%
-from labkit.predict import compare_guess
-
-print(compare_guess(guess, round(reproduction.eval_acc, 3), what='the test accuracy with the backbone left in train mode'))
 
 # %% [markdown]
 # **Measure**, over seeds and batch sizes: each set-up's test accuracy, as mean ± standard deviation
@@ -440,6 +437,16 @@ for mode_name in ("eval", "train", "remedy"):
     runs = grid[mode_name, batch_size]
     print(f"{SETUP_NAMES[mode_name]:<48} batch {batch_size}: {spread(runs)}; largest running-mean drift "
           f"{max(max(run.drift) for run in runs):.3f}")
+
+# %%
+from labkit.predict import compare_guess
+
+train_mean = statistics.mean(run.eval_acc for run in grid["train", batch_size])
+print(compare_guess(guess, round(train_mean, 3), what="the mean test accuracy with the backbone in train mode",
+                    bounds=(0, 1), answer_words=("costs", "below eval", "lower than eval"),
+                    why=(f"in train mode every BatchNorm layer normalises with the statistics of {batch_size} images and "
+                         "keeps moving its running statistics, which eval time then uses: the head learns on features "
+                         "that test time does not see; frozen weight and bias do not stop that")))
 
 
 # %% [markdown]
@@ -866,7 +873,8 @@ claims.check(
 # fine-tuning set, then freeze them. PyTorch ships this as `torch.optim.swa_utils.update_bn`: it
 # resets the running statistics, sets `momentum=None` (a plain average over every batch instead of
 # an exponential one), runs the data through in train mode and restores the momenta. Here it gets
-# the whole fine-tuning set as one batch; exercise 05.2 asks you to write it yourself, in batches.
+# the whole fine-tuning set as one batch; exercise 05.2 asks for it, in batches, on a model where
+# train mode changes more than BatchNorm.
 
 # %%
 def recalibrate(backbone, x):
@@ -1018,8 +1026,11 @@ grading.check("05.1", set_finetune_mode)
 # `recalibrate_batchnorm(model, x, batch_size)` should replace every BatchNorm layer's running mean
 # and variance by the statistics of the new data `x`, fed in batches of `batch_size`: all of `x`
 # counts equally (not just the last few batches), no parameter and no gradient changes, each layer's
-# `momentum` is as it was afterwards, and the model ends in eval mode. The version below does what
-# many scripts do: run a few batches in train mode.
+# `momentum` is as it was afterwards, and the model ends in eval mode. The statistics must be those
+# each BatchNorm layer sees in eval mode, and the check's model, unlike this notebook's backbone, has
+# a Dropout layer between its two BatchNorm layers. `torch.optim.swa_utils.update_bn` is allowed if it
+# does what the task asks. The version below does what many scripts do: run a few batches in train
+# mode.
 
 # %%
 # planted bug for exercise 05.2

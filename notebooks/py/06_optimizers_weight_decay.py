@@ -272,7 +272,12 @@ claims.metric("test_acc", round(test_accuracy(reproduction.model), 4))
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, round(reproduction.blank_ratio, 3), what='the share of their norm the blank-pixel weights keep'))
+print(compare_guess(guess, round(reproduction.blank_ratio, 3), bounds=(0, 1),
+                    what='the share of their norm the blank-pixel weights keep',
+                    why=("Adam(weight_decay) adds the decay to the gradient and then divides by the running RMS of that "
+                         "same gradient: a weight with no data gradient gets a full-size step toward 0 every step, "
+                         "while AdamW's decoupled decay only shrinks it by lr x weight_decay per step"),
+                    answer_words=("loses almost all", "shrinks to zero")))
 
 # %% [markdown]
 # **Measure the "drift".** What decay does each weight of the first layer really feel while the model

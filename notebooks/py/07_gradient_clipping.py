@@ -9,7 +9,7 @@
 # **You will learn**
 # - what `clip_grad_norm_` and `clip_grad_value_` do to a gradient's size and direction
 # - L1 against L2 norm clipping on a small CNN hit by gradient spikes
-# - why clipping before `scaler.unscale_` freezes training without an error
+# - what clipping before `scaler.unscale_` does to training, although nothing raises
 # - why no clipping call repairs a NaN
 #
 # **Prerequisites:**
@@ -415,7 +415,11 @@ claims.metric("scaler_update_ratio", float(f"{scaled_ratio:.2g}"))
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, float(f"{scaled_ratio:.2g}"), what="the first layer's median update to data ratio"))
+print(compare_guess(guess, float(f"{scaled_ratio:.2g}"), what="the first layer's median update to data ratio",
+                    why=("clipping the still-scaled gradients measures a norm 65536 times too large, so the clip "
+                         "factor shrinks the real gradients by about that much: updates far below 1e-3, and training "
+                         "stands still without an error"),
+                    answer_words=("freezes training",)))
 
 # %%
 figure = plot_grad_stat(scaled_history, "update_ratio")

@@ -10,7 +10,7 @@
 # **You will learn**
 # - how to read per-layer gradient statistics with `labkit.GradTracer`: vanishing, saturated, dead,
 #   missing and exploding
-# - how early gradient statistics warn of divergence, compared with the loss
+# - which gradient statistics warn of divergence before the loss does, and which only after it
 # - what a `register_post_accumulate_grad_hook` sees, and why a bias gradient can be zero
 # - what a broken skip connection and LayerNorm gradients look like
 #
@@ -442,7 +442,7 @@ class ArticleMonitor:
 # %% [markdown]
 # **Reproduce: a run that goes wrong, and its healthy twin.** A tanh MLP trained with minibatch SGD
 # and a learning-rate warm-up that multiplies the rate by `lr_growth` each step. With `bug=True` the
-# warm-up forgets its cap, so the rate keeps growing until training blows up; the twin caps it at
+# warm-up forgets its cap, so the rate keeps growing until the loss starts climbing; the twin caps it at
 # `lr_cap` and sees the same batches. The article's monitor (with `alert_factor` as its 3x) and the
 # tracer watch both. The loss "shows it" at the first step where its 10-step average is more than
 # twice the lowest 10-step average so far. An alert counts as a warning only if the healthy twin did
@@ -452,8 +452,10 @@ class ArticleMonitor:
 # the papermill tests check its [verdict](GLOSSARY.md#verdict).
 
 # %% [markdown]
-# **Predict before you run.** With `bug=True` the learning-rate warm-up is not capped. Will the run
-# diverge (`True` or `False`)?
+# **Predict before you run.** With `bug=True` the learning-rate warm-up is not capped, and the loss
+# starts climbing at some step. The tracer raises its `exploding` alert when a layer's gradient norm
+# jumps far above the median of its recent values. Will that gradient alarm fire *before* the loss alarm (write
+# `True`), or after it (`False`)?
 # Write your guess into `guess` below, then run the next cells; the line after the measurement
 # compares it with what was measured. (Left at `None`, it just prints the measurement.)
 
@@ -527,7 +529,12 @@ claims.metric("first_exploding_alert", "none" if tracer_step is None else tracer
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, diverged, what='the run diverges'))
+gradient_alarm_first = tracer_step is not None and (loss_step is None or tracer_step < loss_step)
+print(compare_guess(guess, gradient_alarm_first, what="the gradient-norm alarm fires before the loss alarm",
+                    why=("a growing learning rate makes the steps too large for the loss long before the gradients "
+                         "grow large: the gradient norm explodes only once training is already off course, so a "
+                         "norm alarm confirms a blow-up; the update:data ratio measured below warns of one"),
+                    answer_words=("fires after the loss", "norm alarm comes late", "norm alarm confirms")))
 
 # %% [markdown]
 # **Measure: the monitor's first alert.** The full gradient std of the parameter behind the

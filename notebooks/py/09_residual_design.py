@@ -7,7 +7,7 @@
 # first block, whether the pre-activation [identity path](GLOSSARY.md#identity-path) ("ResNet v2") is exact, and what it buys.
 #
 # **You will learn**
-# - how much gradient a ReLU after the addition (post-activation, ResNet v1) cuts from the skip path
+# - what a ReLU after the addition (post-activation, ResNet v1) does to the skip path's gradient
 # - whether the pre-activation identity path (ResNet v2) is exact, tested with zero-initialised
 #   branches
 # - how a half-converted block hides a non-identity skip
@@ -395,7 +395,10 @@ claims.metric("identity_nonzero_share", round(converted_nonzero, 3))
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, converted_report.all_exact, what='the skip stays an exact identity'))
+print(compare_guess(guess, converted_report.all_exact, what='the skip stays an exact identity',
+                    why=("with zero branches the block computes relu(x), not x: the ReLU after the addition zeroes the "
+                         "gradient wherever the input is negative, so the skip passes the top gradient only in part"),
+                    answer_words=("cuts from the skip",)))
 
 # %% [markdown]
 # **The fix, proven.** Delete the ReLU after the addition:

@@ -127,7 +127,10 @@ for name, dtype in FORMATS.items():
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, smallest_positive(torch.float16), what='the smallest positive fp16 number'))
+print(compare_guess(guess, smallest_positive(torch.float16), what='the smallest positive fp16 number',
+                    why=("below its smallest normal number, 6.1e-5, fp16 keeps subnormals: the exponent stays at its "
+                         "minimum and the 10 mantissa bits halve it ten more times, down to 2^-24"),
+                    answer_words=("2^-24", "6e-8", "5.96e-08")))
 
 # %% [markdown]
 # ## Real gradients

@@ -13,7 +13,7 @@
 #   float64 reference
 # - relu's derivative at exactly 0 in eager and compiled code
 # - how drift grows over hundreds of training steps
-# - how to keep a module out of compilation (and what `_compiled = False` does not do)
+# - how to keep a module out of compilation (and whether `_compiled = False` does it)
 #
 # **Prerequisites:**
 # [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb).
@@ -476,7 +476,10 @@ claims.metric("head_ops_captured", head_ops)
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, head_ops, what='operations captured from the excluded head'))
+print(compare_guess(guess, head_ops, what='operations captured from the excluded head',
+                    why=("`_compiled = False` sets an attribute that torch.compile never reads, so the head is traced "
+                         "with the rest" if bug else "torch.compiler.disable runs the head eagerly, outside the graph"),
+                    answer_words=("does not do", "never reads")))
 
 # %% [markdown]
 # **The fix, proven.** `torch.compiler.disable` on the head's `forward`: the head runs eagerly, the

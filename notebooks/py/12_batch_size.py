@@ -640,7 +640,13 @@ claims.metric("final_loss", float(f"{losses[-1]:.3g}") if math.isfinite(losses[-
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, float(f"{growth:.3g}"), what='the growth of the median update to data ratio'))
+print(compare_guess(guess, float(f"{growth:.3g}"), what='the growth of the median update to data ratio',
+                    why=(f"a summed loss's gradient is a sum over rows, so at a fixed learning rate the step grows with the "
+                         f"batch, up to {scheduler_batches[-1] // scheduler_batches[0]}x for "
+                         f"{scheduler_batches[0]} -> {scheduler_batches[-1]}; the per-row gradients also change as "
+                         "training goes on, so the measured growth differs from the batch ratio" if bug else
+                         "a mean loss keeps the step independent of the batch size"),
+                    answer_words=("grows with the batch",)))
 
 # %% [markdown]
 # **Measure.** The update:data ratio, step by step, on a log scale; the dotted lines mark each

@@ -641,7 +641,9 @@ claims.metric("held_graph_nodes", held_nodes)
 
 # %% [markdown]
 # **Predict before you run.** A validation pass run without `torch.no_grad()` saves tensors for a
-# backward that never comes. How many bytes does one pass save for this small MLP?
+# backward that never comes. How many bytes does one pass save for this small MLP (64 → 256 → 256 → 10,
+# float32)? For scale: the batch of `validation_rows` inputs alone is 256 × 64 × 4 = 65,536 B at the
+# defaults.
 # Write your guess into `guess` below, then run the next cells; the line after the measurement
 # compares it with what was measured. (Left at `None`, it just prints the measurement.)
 
@@ -667,7 +669,10 @@ print(f"one validation pass saves {one_pass_saves:,} B for a backward that never
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, one_pass_saves, what='the bytes one validation pass saves'))
+print(compare_guess(guess, one_pass_saves, what='the bytes one validation pass saves',
+                    why=("each Linear keeps its input and each ReLU its output for a backward, and the loss keeps "
+                         "its softmax: activations of every row, many times the 4 B of the loss value itself"),
+                    answer_words=("saves activations", "keeps its input")))
 
 # %% tags=["nbval-ignore-output"]
 kept = []
@@ -724,9 +729,11 @@ claims.table()
 # ## Exercises
 #
 # ### Exercise 13.1: a validation loss that frees its graphs
-# `mean_validation_loss(model, batches)` should return the mean of `F.cross_entropy(model(x), y)`
-# over the `(x, y)` pairs in `batches`, as a Python float, without keeping any batch's autograd graph
-# alive once the next batch has started. The version below returns the right number, and leaks.
+# `mean_validation_loss(model, batches)` should return the mean of the batch losses
+# `F.cross_entropy(model(x), y)` over the `(x, y)` pairs in `batches`, each batch counting once
+# whatever its size (the check's last batch is short), as a Python float, without keeping any batch's
+# autograd graph alive once the next batch has started. The version below returns the right number,
+# and leaks.
 
 # %%
 # planted bug for exercise 13.1

@@ -478,7 +478,11 @@ claims.metric("duplicated_share", duplicated_share(reproduction))
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, duplicated_share(reproduction), what='the share of samples whose noise is duplicated'))
+print(compare_guess(guess, duplicated_share(reproduction), bounds=(0, 1),
+                    what='the share of samples whose noise is duplicated',
+                    why=("every worker starts from a copy of the same generator state, so worker k's n-th sample gets "
+                         "the same noise as every other worker's n-th sample"),
+                    answer_words=("every sample", "all samples")))
 
 # %% [markdown]
 # **Measure.** Four loaders over the same images: the generator owned by the dataset, NumPy's

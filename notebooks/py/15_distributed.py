@@ -486,7 +486,11 @@ claims.metric("loss_gap", float(f"{loss_gap:.3g}"))
 # %%
 from labkit.predict import compare_guess
 
-print(compare_guess(guess, float(f"{loss_gap:.3g}"), what='the largest training-loss gap'))
+print(compare_guess(guess, float(f"{loss_gap:.3g}"), what='the largest training-loss gap',
+                    why=("each rank's BatchNorm normalises with the mean and variance of its own half of the batch, "
+                         "not the whole batch's: the activations, losses and gradients differ from the first step "
+                         "on, and the two runs drift apart"),
+                    answer_words=("never identical",)))
 
 # %% [markdown]
 # **The article's fix.** The same run with `find_unused_parameters=True` and

@@ -274,7 +274,10 @@ plt.show()
 
 # %%
 print(compare_guess(guess, flops["checkpointed blocks"] / plain_flops,
-                    what="the checkpointed step's FLOPs over the plain step's"))
+                    what="the checkpointed step's FLOPs over the plain step's",
+                    why=("a backward costs about twice its forward, so a forward is about a third of a step: running "
+                         "the blocks' forward once more adds at most about a third, less what is not checkpointed"),
+                    answer_words=("a third more",)))
 
 
 # %% [markdown]
