@@ -287,7 +287,7 @@ def test_a_py_twin_run_as_a_plain_script_is_checked_from_its_own_cells(tmp_path,
     ("15_distributed", {"steps": 100}, r"parameters steps, world_size and per_rank_batch do not fit together: steps "
      r"must be at most 1348 / world_size / per_rank_batch, got steps=100 with world_size=2, per_rank_batch=16"),
     ("01_computation_graph", {"width": 10**6}, r"parameter width must be at most 1024"),
-    ("13_memory", {"resnet_batch": 10**4}, r"parameter resnet_batch must be at most 256"),
+    ("13_memory", {"resnet_batch": 10**4}, r"parameter resnet_batch must be at most 1024"),
 ])
 def test_out_of_range_and_inconsistent_values_are_refused_naming_the_parameters(notebook, given, message):
     # PM6, PM7, PM11, PM12, PM15: each used to run (for days, or into a cell traceback) before this

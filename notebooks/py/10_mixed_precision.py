@@ -1009,7 +1009,7 @@ grading.score()
 # %% [markdown]
 # ## Debugging lab 10: a float16 step with a loss scaler
 # A new run: a small regression network trains under CPU float16 autocast with a `GradScaler` and
-# gradient clipping, on data where a faulty sensor now and then reads 1e5, beyond float16's range.
+# [gradient clipping](GLOSSARY.md#gradient-clipping), on data where a faulty sensor now and then reads 1e5, beyond float16's range.
 # One thing in its scaled step is wrong, drawn for you from this notebook's family of mixed-precision
 # failures. `labs.start` prints what you would see, the causes you may choose from (decoys included)
 # and the stages you may rewrite; investigate with the run's objects (`lab.model`, `lab.optimizer`,
