@@ -46,3 +46,9 @@ def relative_gap(value: float, reference: float) -> float:
     if not math.isfinite(value):
         return math.inf
     return abs(value - reference) / max(abs(reference), 1e-12)
+
+
+def grad_norm(params) -> float:
+    """The total L2 norm of the gradients the parameters hold (0 when none holds one)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0

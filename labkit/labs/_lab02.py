@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.labs._common import audited_sgd, curve_text, number, seeded
+from labkit.labs._common import audited_sgd, curve_text, grad_norm, number, seeded
 from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
@@ -79,11 +79,6 @@ def dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, y, ~faulty
 
 
-def _grad_norm(params) -> float:
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
-
-
 def train(stages, seed: int) -> Run:
     x, y, clean = dataset(seed)
     model = seeded(_model, seed)
@@ -93,7 +88,7 @@ def train(stages, seed: int) -> Run:
     reference: list[torch.Tensor] = []
 
     def at_step(opt, args, kwargs) -> None:
-        trace["norm_at_step"].append(_grad_norm(params))
+        trace["norm_at_step"].append(grad_norm(params))
         trace["grad_gap"].append(_gap(params, reference))
 
     optimizer.register_step_pre_hook(at_step)
@@ -103,7 +98,7 @@ def train(stages, seed: int) -> Run:
         rows = torch.randperm(EXAMPLES, generator=order)[:MICRO_BATCHES * MICRO_SIZE].view(MICRO_BATCHES, MICRO_SIZE)
         reference[:] = _clipped_batch_gradient(model, x[rows.flatten()], y[rows.flatten()])
         stages["begin_step"](model, optimizer, MAX_NORM)
-        trace["left_after_begin"].append(_grad_norm(params))
+        trace["left_after_begin"].append(grad_norm(params))
         step_loss = 0.0
         for micro in rows:
             loss = stages["micro_loss"](model, x[micro], y[micro], MICRO_BATCHES)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.labs._common import audited_sgd, curve_text, number, relative_gap, seeded
+from labkit.labs._common import audited_sgd, curve_text, grad_norm, number, relative_gap, seeded
 from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
@@ -81,11 +81,6 @@ def dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, y, clean
 
 
-def _grad_norm(params) -> float:
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
-
-
 def train(stages, seed: int) -> Run:
     x, y, clean = dataset(seed)
     model = seeded(_model, seed)
@@ -97,7 +92,7 @@ def train(stages, seed: int) -> Run:
     grad_at_step: list[float] = []
 
     def at_step(opt, args, kwargs) -> None:
-        norm = _grad_norm(params)
+        norm = grad_norm(params)
         grad_at_step.append(norm)
         trace["nonfinite_steps"] += not torch.isfinite(torch.tensor(norm))
 
@@ -112,7 +107,7 @@ def train(stages, seed: int) -> Run:
         output.register_hook(lambda grad: trace["autocast_in_backward"].add(torch.is_autocast_enabled("cpu")))
         loss = F.mse_loss(output.float(), y[rows])
         stages["backward"](loss, scaler.scale(loss))
-        trace["backward_ratio"].append(_grad_norm(params))
+        trace["backward_ratio"].append(grad_norm(params))
         stages["clip"](scaler, optimizer, params, MAX_NORM)
         before = scaler.get_scale()
         stages["step"](scaler, optimizer)
@@ -133,7 +128,7 @@ def _true_norm(x, y, seed: int) -> float:
     """The float32 gradient norm of the initial model's loss on a clean batch: what an unscaled gradient measures."""
     probe = seeded(_model, seed)
     F.mse_loss(probe(x[:BATCH]), y[:BATCH]).backward()
-    return _grad_norm(list(probe.parameters()))
+    return grad_norm(list(probe.parameters()))
 
 
 def _one_step_effect(x, y, seed: int) -> tuple[float, float]:
