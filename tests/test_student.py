@@ -338,3 +338,25 @@ def test_edition_has_no_solution_text_and_keeps_the_parameters(editions, path):
 def parameters_cell(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     (cell,) = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
     return cell
+
+
+def _disabled_lab_extensions(monkeypatch, config_path: str | None) -> dict:
+    """What JupyterLab's page config disables, read as `jupyter lab` reads it (every config folder)."""
+    from jupyterlab_server.config import get_static_page_config
+
+    if config_path is None:
+        monkeypatch.delenv("JUPYTER_CONFIG_PATH", raising=False)
+    else:
+        monkeypatch.setenv("JUPYTER_CONFIG_PATH", config_path)
+    return get_static_page_config(level="all").get("disabledExtensions", {})
+
+
+def test_make_lab_student_opens_jupyterlab_without_nbgraders_instructor_tools(monkeypatch):
+    # the dev extras install nbgrader, whose menu, Validate and Create Assignment a lone learner should not meet
+    pytest.importorskip("nbgrader")
+    (line,) = [line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("LEARNER_LAB_CONFIG :=")]
+    config = line.split(":=", 1)[1].strip().replace("$(CURDIR)", str(ROOT))
+    recipe = (ROOT / "Makefile").read_text().split("\nlab-student:", 1)[1].split("\n\n", 1)[0]
+    assert 'JUPYTER_CONFIG_PATH="$(LEARNER_LAB_CONFIG)' in recipe and "jupyter lab student/" in recipe
+    assert not _disabled_lab_extensions(monkeypatch, None).get("@jupyter/nbgrader")  # `make lab`, the instructor's
+    assert _disabled_lab_extensions(monkeypatch, config).get("@jupyter/nbgrader") is True
