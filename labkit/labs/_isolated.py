@@ -11,6 +11,10 @@ the training with the repair, every repaired stage's call followed by putting ba
 cell that patches torch or labkit, exits, hangs, ignores SIGALRM or unsets ``NBGRADER_EXECUTION`` can
 only fail its own lab. The learner's kernel (`labs.check`), nbgrader's autograde
 (`labkit.course.isolated_autograde`) and ``labkit progress`` all grade a lab this way, so they agree.
+
+What this does not stop, as for exercises (`labkit._grader_child`): a thread the repair starts that keeps
+patching between two restores, an in-place change to a list inside a reference run's trace, and an answer
+written against the grading protocol itself.
 """
 
 from __future__ import annotations
