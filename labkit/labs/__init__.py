@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Mapping
 
 from labkit.errors import LabkitError
-from labkit.grading import GRADE_MIMETYPE, NBGRADER_EXECUTION, Result
+from labkit.grading import EXERCISE_NAMESPACE, GRADE_MIMETYPE, NBGRADER_EXECUTION, Result
 from labkit.labs._check import MAX_ERROR_CHARS, check_lab, grade_id
 from labkit.labs._draw import draw, learner_key
 from labkit.labs._isolated import answer_cell, grade_lab_cell, not_attempted
@@ -68,6 +68,8 @@ class LabSession:
         print("Causes you may diagnose:\n" + "\n".join(f"  - {name}" for name in self.causes))
         print("Stages of the training you may repair (write a function with the stage's name):")
         print("\n".join(f"  - {name}: {contract}" for name, contract in self.stages.items()))
+        print("Write diagnose(lab) and your stage function in the lab's answer cell, with every helper they use:"
+              f" the check runs that cell on its own, where only {', '.join(EXERCISE_NAMESPACE)} are defined.")
 
 
 def start(lab_id: str, *, seed: int | None = None, learner: str | None = None) -> LabSession:
