@@ -19,7 +19,9 @@ its exercises and checks, and how much CUDA-only code its py twin holds.
 
 Generated from the blocks and the notebooks: the README's notebook table and troubleshooting index
 (between `<!-- generated: NAME ... -->` and `<!-- end: NAME -->`), and `.ci/gpu-notebooks.txt`, the
-GPU runner's default list (the notebooks with GPU sections, most CUDA code first).
+GPU runner's default list (the notebooks with GPU sections, most CUDA code first). Generated from
+pyproject.toml: the first line of every notebook's first code cell, `install_line()`, in the py twins
+(the pre-commit hook's jupytext sync carries it into the .ipynb).
 tests/test_notebook_meta.py fails when a block is invalid or a generated file is stale.
 
 The blocks are TOML, read with the standard library's tomllib, so any Python 3.11 reads them (the
@@ -41,6 +43,7 @@ from labkit.errors import LabkitError
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+TWINS = NOTEBOOKS / "py"
 META = NOTEBOOKS / "meta"
 README = ROOT / "README.md"
 GPU_NOTEBOOKS = ROOT / ".ci" / "gpu-notebooks.txt"
@@ -287,12 +290,35 @@ def replace_block(text: str, name: str, body: str, where: str = "README.md") -> 
     return pattern.sub(lambda match: match.group(1) + body + "\n" + match.group(2), text)
 
 
+def install_line() -> str:
+    """The first line of every notebook's first code cell: on Colab, where labkit is missing, pip installs the
+    workbook from pyproject's repository with the `colab` extra (what the notebooks need beside Colab's own
+    packages); then `labkit.start` sets the kernel up (labkit/start.py). Through IPython's system(), not its
+    %pip, which prints "you may need to restart" after every install: labkit.start says when a restart is
+    needed. Without labkit elsewhere, the import fails on this line and the traceback shows its comment."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    requirement = f"{project['name']}[colab] @ git+{project['urls']['Repository']}"
+    return ('import sys, importlib.util as iu; "google.colab" in sys.modules and not iu.find_spec("labkit") and '
+            f"get_ipython().system(\"pip install '{requirement}'\"); "
+            "import labkit.start  # no labkit here? README, Install")
+
+
+def with_install_line(twin_text: str) -> str:
+    """A py twin's text with install_line() as the first line of its first code cell."""
+    head, marker, rest = twin_text.partition("\n# %%\n")
+    if not marker:
+        raise LabkitError("a notebook's py twin needs a code cell ('# %%' line): notebooks/py/ holds jupytext percent scripts")
+    first_line, _, cell_rest = rest.partition("\n")
+    return f"{head}{marker}{install_line()}\n{cell_rest}"
+
+
 def generated() -> dict[Path, str]:
     """Each generated file's path -> its content as the blocks and notebooks make it now."""
     readme = README.read_text(encoding="utf-8")
     readme = replace_block(readme, "notebook-table", notebook_table())
     readme = replace_block(readme, "troubleshooting-index", troubleshooting_index())
-    return {README: readme, GPU_NOTEBOOKS: gpu_notebooks_file()}
+    twins = {twin: with_install_line(twin.read_text(encoding="utf-8")) for twin in sorted(TWINS.glob("[0-9][0-9]_*.py"))}
+    return {README: readme, GPU_NOTEBOOKS: gpu_notebooks_file(), **twins}
 
 
 def stale() -> list[Path]:

@@ -2,7 +2,9 @@
 labkit is missing (a clear message, or on Colab an install), and an install that keeps a supported torch."""
 
 import ast
+import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,13 +21,14 @@ import pytest
 from packaging.requirements import Requirement
 
 import labkit
+from labkit._notebook_meta import install_line
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 REPOSITORY = PYPROJECT["urls"]["Repository"]
-# What the first cell installs on Colab: the distribution's own name (tests/test_install_name.py), never "labkit".
-COLAB_INSTALL = f'install "{PYPROJECT["name"]}[lab] @ git+{REPOSITORY}"'
+# What the first line installs on Colab: the distribution's own name (tests/test_install_name.py), never "labkit".
+COLAB_INSTALL = f"install '{PYPROJECT['name']}[colab] @ git+{REPOSITORY}'"
 # For the tests whose subject is labkit's or the repository's own text and logic (the range guard under a
 # faked torch version, the notebooks' first cell, the Makefile's check): the same on every stack, so
 # `make test-compat` leaves them out. What a newer stack can change stays in it: the installed torch
@@ -35,13 +38,6 @@ same_on_every_stack = pytest.mark.lock_only
 
 def first_code_cell(notebook):
     return next(cell for cell in nbformat.read(notebook, as_version=4).cells if cell.cell_type == "code")
-
-
-def install_guard(notebook):
-    """The first cell's `try: import labkit ... except` statement, on its own."""
-    tree = ast.parse(first_code_cell(notebook).source)
-    guard = next(node for node in tree.body if isinstance(node, ast.Try))
-    return compile(ast.Module(body=[guard], type_ignores=[]), str(notebook), "exec")
 
 
 # ---- The supported torch range -------------------------------------------------------------------------
@@ -87,39 +83,100 @@ def test_the_installed_torch_imports_silently():
 
 @same_on_every_stack
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
-def test_the_first_cell_guards_the_labkit_import_and_installs_from_the_declared_repository(notebook):
-    source = first_code_cell(notebook).source
-    assert source.startswith("import sys\n\ntry:"), "the guard must run before any other import"
-    # IPython's %pip, not a subprocess: on Colab it says when the runtime must restart, and pip's progress shows
-    assert f"""\n    get_ipython().run_line_magic("pip", '{COLAB_INSTALL}')\n""" in source, \
-        "install pyproject's name from its [project.urls]"
+def test_every_notebook_s_first_code_line_is_the_generated_install_line(notebook):
+    assert first_code_cell(notebook).source.split("\n")[0] == install_line(), \
+        "run `python -m labkit._notebook_meta --write`, then the jupytext sync (pre-commit does it)"
+
+
+@same_on_every_stack
+def test_the_install_line_installs_the_colab_extra_from_the_declared_repository():
+    line = install_line()
+    assert len(line.split("#")[0]) < 240, "one short line: what else the cell needs lives in labkit/start.py"
+    # pip through IPython's system(), not %pip, which prints "you may need to restart" after any install
+    assert f'get_ipython().system("pip {COLAB_INSTALL}")' in line and "%pip" not in line
+    colab = [Requirement(line).name for line in PYPROJECT["optional-dependencies"]["colab"]]
+    assert not {"pandas", "jupyterlab", "ipykernel", "jupytext", "torch"} & set(colab), "Colab brings its own"
+    assert "README, Install" in line.split("#")[1], "without labkit the traceback shows this line: say what to do"
+
+
+def run_install_line(monkeypatch, on_colab):
+    """exec the line's statements before `import labkit.start` in this process, with `labkit` unimportable."""
+    monkeypatch.setitem(sys.modules, "labkit", None)
+    if on_colab:
+        monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    commands = []
+    shell = types.SimpleNamespace(system=commands.append)
+    before_import = install_line().split("; import labkit.start")[0]
+    exec(before_import, {"get_ipython": lambda: shell})
+    return commands
+
+
+@same_on_every_stack
+def test_on_colab_without_labkit_the_line_runs_pip_once(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "labkit" else object())
+    assert run_install_line(monkeypatch, on_colab=True) == [f"pip {COLAB_INSTALL}"]
+
+
+@same_on_every_stack
+def test_the_line_installs_nothing_elsewhere_or_where_labkit_is_there(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert run_install_line(monkeypatch, on_colab=False) == []
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    assert run_install_line(monkeypatch, on_colab=True) == []
+
+
+# ---- labkit.start: what the line runs once labkit is importable -----------------------------------------
+
+def test_a_package_replaced_on_disk_after_its_import_is_named_with_both_versions():
+    from labkit import start
+
+    numpy_now = types.SimpleNamespace(__version__=importlib.metadata.version("numpy"))
+    numpy_before = types.SimpleNamespace(__version__="2.1.3")
+    torch_local = types.SimpleNamespace(__version__=importlib.metadata.version("torch"))
+    assert start.replaced_in_memory({"numpy": numpy_now, "torch": torch_local, "numpy.linalg": numpy_before}) == {}
+    assert start.replaced_in_memory({"numpy": numpy_before}) == {
+        "numpy": ("2.1.3", importlib.metadata.version("numpy"))}
 
 
 @pytest.fixture
-def labkit_missing(monkeypatch):
-    """This process as a kernel whose Python has no labkit: `import labkit` raises ModuleNotFoundError."""
-    monkeypatch.setitem(sys.modules, "labkit", None)
+def colab(monkeypatch):
+    """This process as a Colab kernel: a stand-in google.colab whose widget manager records being turned on."""
+    enabled = []
+    output = types.SimpleNamespace(enable_custom_widget_manager=lambda: enabled.append(True))
+    google_colab = types.ModuleType("google.colab")
+    google_colab.output = output
+    monkeypatch.setitem(sys.modules, "google.colab", google_colab)
+    return enabled
 
 
-@same_on_every_stack
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
-def test_without_labkit_the_first_cell_stops_with_the_install_command(labkit_missing, notebook):
-    with pytest.raises(ModuleNotFoundError) as stopped:
-        exec(install_guard(notebook), {"sys": sys, "get_ipython": pytest.fail})
-    message = str(stopped.value)
-    assert "make setup" in message and "the pip install below" in message
-    assert stopped.value.__suppress_context__, "the message stands alone, without the import's own traceback"
+def test_on_colab_set_up_turns_the_widget_manager_on_and_says_labkit_is_ready(colab, capsys):
+    from labkit import start
+
+    start.set_up()
+    assert colab == [True]
+    assert capsys.readouterr().out == f"labkit {labkit.__version__} is ready (Colab's widget manager is on, for the explorers).\n"
 
 
-@same_on_every_stack
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.stem)
-def test_on_colab_the_first_cell_installs_labkit_from_the_repository(labkit_missing, monkeypatch, notebook):
-    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
-    magics = []
-    ipython = types.SimpleNamespace(run_line_magic=lambda name, line: magics.append((name, line)))
-    monkeypatch.setattr("IPython.get_ipython", lambda: ipython)  # the cell imports it: the kernel's shell
-    exec(install_guard(notebook), {"sys": sys})
-    assert magics == [("pip", COLAB_INSTALL)]
+def test_on_colab_a_replaced_imported_package_stops_the_run_with_colab_s_restart_button(colab, monkeypatch):
+    from labkit import start
+
+    monkeypatch.setitem(sys.modules, "numpy", types.SimpleNamespace(__version__="2.1.3"))
+    shown = []
+    monkeypatch.setattr(start, "_show_colab_restart_button", shown.append)
+    with pytest.raises(start.RestartNeeded) as stopped:
+        start.set_up()
+    assert shown == [["numpy"]] and colab == []
+    message = stopped.value._render_traceback_()
+    assert message == [str(stopped.value)] and "Restart needed" in message[0] and "Runtime > Restart session" in message[0]
+    assert f"numpy 2.1.3 -> {importlib.metadata.version('numpy')}" in message[0]
+
+
+def test_elsewhere_set_up_does_nothing_and_prints_nothing(capsys, monkeypatch):
+    from labkit import start
+
+    monkeypatch.setitem(sys.modules, "numpy", types.SimpleNamespace(__version__="2.1.3"))  # would need a restart
+    start.set_up()
+    assert capsys.readouterr() == ("", "")
 
 
 @pytest.mark.slow
@@ -140,7 +197,8 @@ def test_papermill_stops_at_the_first_cell_in_a_kernel_without_labkit(tmp_path, 
                                    kernel_name="no-labkit", cwd=str(tmp_path), progress_bar=False)
     assert failed.value.exec_count == 1, "the run must stop at the first code cell"
     assert failed.value.ename == "ModuleNotFoundError"
-    assert "make setup" in failed.value.evalue and "pip install below" in failed.value.evalue
+    # the traceback shows the line, whose comment says where the install is described
+    assert "README, Install" in "\n".join(failed.value.traceback)
     executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     ran = [cell for cell in executed.cells if cell.cell_type == "code" and cell.get("execution_count")]
     assert len(ran) == 1, "no later cell runs, so no cascade of NameErrors"
@@ -298,3 +356,119 @@ def test_make_test_compat_without_python_3_12_names_the_python_to_install(tmp_pa
         assert result.returncode == 2, result.stdout + result.stderr
         assert "make test-compat needs Python 3.12" in result.stdout
         assert "pyenv install 3.12" in result.stdout
+
+
+# ---- A Colab-like runtime: the first cell installs beside what the runtime has imported --------------------
+
+# Colab's own versions where this machine's package index has them (its published pip freeze of 2026-08:
+# pandas 2.2.3, scikit-learn 1.6.1, ipykernel 6.17.1 with IPython 7.34.0, ipywidgets 7.7.1, matplotlib 3.10.0,
+# psutil 5.9.5); numpy 2.4.1, not Colab's 2.1.3, which labkit's range (>=2.4) would replace (that case needs
+# a restart: benchmarks/results/colab_install.md). torch is the lock's 2.13.0+cpu, the one CPU build here,
+# hard-linked from this environment with its dependencies instead of installed again (pip unlinking a link
+# leaves this environment's file in place).
+COLAB_STACK = ["numpy==2.4.1", "pandas==2.2.3", "scikit-learn==1.6.1", "ipykernel==6.17.1", "ipython==7.34.0",
+               "ipywidgets==7.7.1", "matplotlib==3.10.0", "psutil==5.9.5"]
+TORCH_AND_ITS_DEPENDENCIES = ["torch", "filelock", "typing_extensions", "sympy", "mpmath", "networkx", "jinja2",
+                              "markupsafe", "fsspec"]
+# What Colab imports before the first cell (its own module, then numpy and pandas), and torch, which a
+# learner's earlier cell may have imported: pip must leave all of them as they are.
+IMPORTED_FIRST = ["google.colab", "torch", "numpy", "pandas"]
+KEPT = ["torch", "numpy", "pandas", "scikit-learn", "ipykernel", "ipython"]
+STAND_IN_COLAB = '''"""A stand-in for Colab's google.colab: its widget manager switch records being called."""
+import os
+from types import SimpleNamespace
+
+
+def _enable():
+    with open(os.environ["COLAB_WIDGET_MANAGER_LOG"], "a") as log:
+        log.write("enabled\\n")
+
+
+output = SimpleNamespace(enable_custom_widget_manager=_enable)
+'''
+
+
+def link_distributions(names, site):
+    """Hard-link the installed files of these distributions into another environment's site-packages."""
+    for name in names:
+        distribution = importlib.metadata.distribution(name)
+        for file in distribution.files:
+            source, target = Path(distribution.locate_file(file)).resolve(), site / file
+            if source.is_file() and not str(file).startswith(".."):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if not target.exists():
+                    target.hardlink_to(source)
+
+
+def repository_snapshot(folder):
+    """A git repository holding what building the workbook reads, as in this checkout now (edits included)."""
+    folder.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
+        shutil.copy(ROOT / name, folder / name)
+    shutil.copytree(ROOT / "labkit", folder / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
+    identity = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.org", "GIT_COMMITTER_NAME": "test",
+                "GIT_COMMITTER_EMAIL": "test@example.org", "PATH": "/usr/bin:/bin", "HOME": str(folder)}
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
+        subprocess.run(["git", *command], cwd=folder, env=identity, check=True, timeout=60)
+
+
+def versions(python, names):
+    code = f"import importlib.metadata as m; print({{n: m.version(n) for n in {names!r}}})"
+    return ast.literal_eval(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True,
+                                           timeout=60).stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.colab_like
+@pytest.mark.skipif(os.environ.get("LABKIT_COLAB_TEST") != "1",
+                    reason="builds a Colab-like venv and installs into it (minutes): `make test-colab` runs it")
+def test_in_a_colab_like_runtime_the_first_cell_keeps_its_packages_and_00_runs(tmp_path, monkeypatch):
+    import time
+
+    import nbclient
+
+    venv = tmp_path / "colab"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    installed = subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-compile", *COLAB_STACK],
+                               capture_output=True, text=True, timeout=900)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    link_distributions(TORCH_AND_ITS_DEPENDENCIES, site)
+    (site / "google" / "colab").mkdir(parents=True)
+    (site / "google" / "colab" / "__init__.py").write_text(STAND_IN_COLAB)
+    before = versions(python, KEPT)
+
+    # The cell's own text, with its git address served from a snapshot of this checkout (git's insteadOf)
+    source = tmp_path / "source"
+    repository_snapshot(source)
+    widget_log = tmp_path / "widget-manager.log"
+    kernel_dir = tmp_path / "kernels" / "colab-like"
+    kernel_dir.mkdir(parents=True)
+    launcher = f"import {', '.join(IMPORTED_FIRST)}; from ipykernel import kernelapp; kernelapp.launch_new_instance()"
+    (kernel_dir / "kernel.json").write_text(json.dumps({
+        "argv": [python, "-c", launcher, "-f", "{connection_file}"], "display_name": "Colab-like", "language": "python",
+        "env": {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "COLAB_WIDGET_MANAGER_LOG": str(widget_log),
+                "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": f"url.file://{source}.insteadOf",
+                "GIT_CONFIG_VALUE_0": REPOSITORY}}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    work = tmp_path / "work"
+    work.mkdir()
+    notebook = nbformat.read(ROOT / "notebooks" / "00_start_here.ipynb", as_version=4)
+    started = time.monotonic()
+    nbclient.NotebookClient(notebook, kernel_name="colab-like", timeout=900,
+                            resources={"metadata": {"path": str(work)}}).execute()
+    whole = time.monotonic() - started
+
+    first = next(cell for cell in notebook.cells if cell.cell_type == "code")
+    timing = first.metadata["execution"]
+    seen = "".join(output.get("text", "") for output in first.outputs if output.output_type == "stream")
+    print(f"\nColab-like runtime: first cell {timing['iopub.execute_input']} -> {timing['shell.execute_reply']}, "
+          f"whole notebook {whole:.0f} s\nkept: {before}\nafter: {versions(python, KEPT + ['ipywidgets', 'matplotlib', 'psutil'])}\n"
+          f"the learner saw:\n{seen}")
+    assert versions(python, KEPT) == before, "the install replaced a package the runtime has"
+    assert f"Collecting {PYPROJECT['name']}" in seen and "Successfully installed" in seen, "pip says what it does"
+    assert seen.rstrip().endswith(f"labkit {PYPROJECT['version']} is ready (Colab's widget manager is on, for the explorers).")
+    assert "Restart needed" not in seen and "pandas" not in seen.split("Successfully installed")[1]
+    assert widget_log.read_text() == "enabled\n"

@@ -17,9 +17,9 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # separators and case are dropped, so that is the comparison.
 TAKEN = ("labkit", "gradientlab")
 IMPORT_PACKAGE = "labkit"
-# A `pip install` (also `python -m pip`, `%pip`, `uv pip`, `pip3`) and its arguments up to the line's or
-# the inline code's end.
-PIP_INSTALL = re.compile(r"\bpip3?\s+install\b(?P<arguments>[^\n`]*)", re.IGNORECASE)
+# A `pip install` (also `python -m pip`, `%pip`, `uv pip`, `pip3`) and its arguments up to the line's, the
+# inline code's or the statement's end (a `;`, as after the notebooks' first-line install).
+PIP_INSTALL = re.compile(r"\bpip3?\s+install\b(?P<arguments>[^\n`;]*)", re.IGNORECASE)
 # A requirement string written out of a pip command: "labkit[lab] @ git+...", 'lab-kit>=0.1'.
 REQUIREMENT_STRING = re.compile(r"""["'](?P<name>[A-Za-z][\w.-]*)\s*(\[[^\]]*\])?\s*(@|[<>=!~]=)[^"'\n]*["']""")
 OPTIONS_WITH_A_VALUE = {"-c", "--constraint", "-r", "--requirement", "--index-url", "-i", "--extra-index-url",
@@ -92,6 +92,7 @@ def test_the_check_catches_every_spelling_of_the_strangers_project(spelling):
     "pip install -e '.[dev]'", "pip install -c constraints.txt -e .", 'pip install "gradient-lab-workbook[lab] @ git+x"',
     "pip install ./dist/gradient_lab_workbook-0.1.0-py3-none-any.whl", "pip install torch==2.13.0",
     "import labkit", "python -m labkit claims",
+    """get_ipython().system("pip install 'gradient-lab-workbook[colab] @ git+x'"); import labkit.start""",
 ])
 def test_the_check_lets_paths_and_the_projects_own_name_pass(allowed):
     assert forbidden_installs(allowed) == []

@@ -31,16 +31,7 @@
 # **Predict before you run:** one cell below asks for your guess before a key measurement.
 
 # %%
-import sys
-
-try:  # labkit holds the workbook's instruments: on Colab this cell installs it, elsewhere it says how (README, Install)
-    import labkit  # noqa: F401
-except ModuleNotFoundError:
-    if "google.colab" not in sys.modules:
-        raise ModuleNotFoundError("no labkit in this kernel: `make setup` in the repository, or run the pip install below in this kernel") from None
-    from IPython import get_ipython
-
-    get_ipython().run_line_magic("pip", 'install "gradient-lab-workbook[lab] @ git+https://github.com/gradient-lab/gradient-lab"')
+import sys, importlib.util as iu; "google.colab" in sys.modules and not iu.find_spec("labkit") and get_ipython().system("pip install 'gradient-lab-workbook[colab] @ git+https://github.com/gradient-lab/gradient-lab'"); import labkit.start  # no labkit here? README, Install
 
 import math
 import warnings
