@@ -144,7 +144,7 @@ def _loop(stages, seed: int, compile_model) -> dict:
     params = list(model.parameters())
     optimizer, audit = audited_sgd(params, LR)
     order = torch.Generator().manual_seed(seed + 1)
-    losses, graphs, compiled_steps, calls_per_step, step_types, sizes = [], [], 0, 0, set(), set()
+    losses, graphs, compiled_steps, calls_per_step, step_types = [], [], 0, 0, set()
     for step in range(STEPS):
         if step == BREAK_STEP:
             stages["drop_sensor"](model, SENSOR)
@@ -155,7 +155,6 @@ def _loop(stages, seed: int, compile_model) -> dict:
         inputs = x[rows].clone()
         if step >= BREAK_STEP:
             inputs[:, SENSOR] = STUCK_AT
-        sizes.add(len(rows))
         calls = backend.calls
         loss = F.cross_entropy(forward(inputs), y[rows])
         optimizer.zero_grad()
@@ -165,10 +164,9 @@ def _loop(stages, seed: int, compile_model) -> dict:
         graphs.append(len(backend.graphs))
         compiled_steps += backend.calls > calls
         calls_per_step = max(calls_per_step, backend.calls - calls)
-    hooks = sum(len(module._forward_hooks) + len(module._forward_pre_hooks) for module in model.modules())
     return {"model": model, "optimizer": optimizer, "losses": losses, "graphs": graphs, "backend": backend,
             "compiled_steps": compiled_steps, "calls_per_step": calls_per_step, "step_types": sorted(step_types),
-            "sizes": sorted(sizes), "hooks": hooks, "problems": audit.problems(STEPS)}
+            "problems": audit.problems(STEPS)}
 
 
 def _eager(model, backend):
@@ -183,12 +181,11 @@ def train(stages, seed: int) -> Run:
     recorded = compiled["backend"].graphs
     weights = torch.cat([p.detach().flatten() for p in compiled["model"].parameters()])
     trace = {"graphs": compiled["graphs"], "compiled_steps": compiled["compiled_steps"],
-             "gap_before": max(gaps[:BREAK_STEP]), "gap_after": max(gaps[BREAK_STEP:]), "gaps": gaps,
+             "gap_before": max(gaps[:BREAK_STEP]), "gap_after": max(gaps[BREAK_STEP:]),
              "dynamic": sum(graph["dynamic"] for graph in recorded), "first_graphs": compiled["graphs"][0],
              "calls_per_step": compiled["calls_per_step"], "step_types": compiled["step_types"],
-             "sizes": compiled["sizes"], "hooks": compiled["hooks"], "eager_losses": eager["losses"]}
-    return Run({"graphs": len(recorded), "eager_steps": STEPS - compiled["compiled_steps"],
-                "final_loss": sum(compiled["losses"][-5:]) / 5}, trace,
+             "eager_losses": eager["losses"]}
+    return Run({"graphs": len(recorded), "eager_steps": STEPS - compiled["compiled_steps"]}, trace,
                {"model": compiled["model"], "optimizer": compiled["optimizer"], "losses": compiled["losses"],
                 "eager_losses": eager["losses"], "weights": weights}, compiled["problems"])
 
@@ -200,7 +197,7 @@ def show(run: Run) -> None:
     print(f"graphs dynamo compiled, counted after each step: {curve_text(run.trace['graphs'])}")
     eager_steps = run.metrics["eager_steps"]
     print(f"steps that ran a compiled graph: {STEPS - eager_steps} of {STEPS}"
-          + (f" (dynamo gave up recompiling: the last {eager_steps} ran eagerly)" if eager_steps else ""))
+          + (f" (dynamo stopped recompiling: {eager_steps} steps ran eagerly)" if eager_steps else ""))
 
 
 def _weight_gap(repaired: Run, twin: Run) -> float:
@@ -222,8 +219,8 @@ def recovery(repaired: Run, twin: Run) -> tuple[bool, str]:
 
 CAUSES = (
     Cause("a hook registered after compiling is not run by the compiled model",
-          lambda d, t: f"the model has {d.trace['hooks']} forward hooks or pre-hooks, and after the sensor broke the "
-                       f"compiled and eager losses differ by at most {number(d.trace['gap_after'])}"),
+          lambda d, t: "after the sensor broke, the compiled and eager runs' losses differ by at most "
+                       f"{number(d.trace['gap_after'])} at any step: the compiled model runs what the eager one runs"),
     Cause("a Python number the forward reads changes every step, and dynamo recompiles for each value",
           lambda d, t: f"model.step is a {' or '.join(d.trace['step_types'])} at every step: a tensor is an input of "
                        "the graph, read afresh at each call, not a constant dynamo guards on"),
