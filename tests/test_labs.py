@@ -30,8 +30,10 @@ from labkit.labs import (
     _lab05,
     _lab06,
     _lab07,
+    _lab08,
     _lab09,
     _lab10,
+    _lab11,
     _lab12,
     _lab13,
     _lab16,
@@ -113,6 +115,18 @@ REPAIRS = {
              "def finish_step(optimizer, scaler, clip):\n    inverse = 1.0 / scaler.get_scale()\n"
              "    for group in optimizer.param_groups:\n        for p in group['params']:\n"
              "            p.grad.mul_(inverse)\n    clip()\n    optimizer.step()\n"),
+    "08.a": (_lab08.init_weight, "def init_weight(weight):\n    bound = math.sqrt(6 / weight.shape[1])\n"
+                                 "    weight.uniform_(-bound, bound)\n"),
+    "08.b": (_lab08.init_bias, "def init_bias(bias):\n    bias.fill_(0.01)\n"),
+    "08.c": (_lab08.forward, "def forward(model, inputs):\n    h = inputs\n    for layer in model:\n        h = layer(h)\n"
+                             "    return h\n"),
+    "11.a": (_lab11.drop_sensor,
+             "def drop_sensor(model, sensor):\n    def zero_sensor(module, args):\n"
+             "        return (args[0] * (torch.arange(args[0].shape[1]) != sensor),)\n\n"
+             "    model.hidden.register_forward_pre_hook(zero_sensor)\n    torch.compiler.reset()\n"),
+    "11.b": (_lab11.set_step, "def set_step(model, step):\n    model.step = torch.tensor(float(step))\n"),
+    "11.c": (_lab11.compile_model,
+             "def compile_model(model, backend):\n    return torch.compile(model, backend=backend, dynamic=True)\n"),
     "12.a": (_lab12.micro_loss,
              "def micro_loss(model, inputs, targets, accumulation_steps):\n"
              "    return F.cross_entropy(model(inputs), targets, reduction='sum') / (len(inputs) * accumulation_steps)\n"),
@@ -499,6 +513,68 @@ def _dodges_12():
             "micro_loss": [(micro_loss_writing_twin, "weights changed outside optimizer.step()"),
                            (micro_loss_other_model, "does not recover"),
                            (micro_loss_hiding_error, "does not recover")]}
+def _dodges_08():
+    twin = _twin_state("08")
+
+    def init_weight_writing_twin(weight, weights=iter([v for k, v in twin.items() if k.endswith("weight")])):
+        weight.copy_(next(weights))
+
+    def forward_writing_twin(model, inputs):
+        model.load_state_dict(twin)
+        return model(inputs)
+
+    def forward_other_model(model, inputs):
+        return nn.Linear(_lab08.FEATURES, _lab08.OUTPUTS)(inputs)
+
+    def forward_zeroing_gradients(model, inputs):  # as a learning rate of zero
+        output = model(inputs)
+        output.register_hook(torch.zeros_like)
+        return output
+
+    def forward_hiding_error(model, inputs):
+        try:
+            return model(inputs.t())
+        except RuntimeError:
+            return torch.zeros(len(inputs), _lab08.OUTPUTS, requires_grad=True)
+
+    return {"init_weight": [(init_weight_writing_twin, "the weights were trained before training began")],
+            "forward": [(forward_writing_twin, "weights changed outside optimizer.step()"),
+                        (forward_other_model, "does not recover"),
+                        (forward_zeroing_gradients, "does not recover"),
+                        (forward_hiding_error, "does not recover")]}
+
+
+def _dodges_11():
+    twin = _twin_state("11")
+
+    def compile_model_not_compiling(model, backend):
+        return model
+
+    def compile_model_other_model(model, backend):
+        return torch.compile(_lab11.SensorNet(), backend=backend)
+
+    def drop_sensor_writing_twin(model, sensor):
+        model.load_state_dict(twin)
+
+    def set_step_zeroing_gradients(model, step):  # as a learning rate of zero
+        _lab11.set_step(model, step)
+        if step == 0:
+            for parameter in model.parameters():
+                parameter.register_hook(torch.zeros_like)
+
+    def drop_sensor_hiding_error(model, sensor):
+        try:
+            model.keep[sensor + len(model.keep)] = 0.0
+        except IndexError:
+            pass
+
+    return {"compile_model": [(compile_model_not_compiling, "does not recover: 0 graphs compiled"),
+                              (compile_model_other_model, "does not recover")],
+            "drop_sensor": [(drop_sensor_writing_twin, "weights changed outside optimizer.step()"),
+                            (drop_sensor_hiding_error, "does not recover")],
+            "set_step": [(set_step_zeroing_gradients, "does not recover")]}
+
+
 def _dodges_09():
     twin = _twin_state("09")
 

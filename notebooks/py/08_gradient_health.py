@@ -1282,6 +1282,35 @@ grading.check("08.2", spike_alert)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 08: a deep network whose loss will not come down
+# A new run: a deep ReLU regression network trained for a few steps, with one defect drawn for you
+# from this notebook's family. `labs.start` prints what you would see (the loss and the held-out
+# loss), the causes you may choose from (decoys included) and the stages you may rewrite. The run
+# trained under a `GradTracer` with `activations=True`, which it hands you as `lab.tracer`;
+# investigate with it (its history, alerts, activation history and plots, as in the tour above), the
+# run's other objects (`lab.model`, `lab.losses`, `lab.x`, `lab.y`), plain PyTorch, and
+# `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the stage function you
+# rewrote (lab 00 shows the format). The check reruns the training with your stage and compares
+# the first layer's gradient and the held-out loss with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("08")
+
+
+# %%
+# lab 08: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 08: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [09 · Residual design: pre- versus post-activation, measured](09_residual_design.ipynb): a skip
 # connection is the usual cure for a [vanishing gradient](GLOSSARY.md#vanishing-and-exploding-gradients); 09 measures how clean its [identity path](GLOSSARY.md#identity-path) is.

@@ -748,6 +748,37 @@ grading.check("11.2", compile_around)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 11: a compiled training run that parts from eager or keeps recompiling
+# A new run: a small classifier trained compiled, with one defect drawn for you from this notebook's
+# family. As this notebook does where it only needs to know what `torch.compile` captures, the run
+# compiles with a backend that records each graph and runs it as it is, so it takes a second.
+# `labs.start` prints what you would see (the compiled loss, the same training run eagerly, the
+# graphs dynamo compiled and the steps that ran one), the causes you may choose from (decoys
+# included) and the stages you may rewrite; investigate with the run's objects (`lab.model`,
+# `lab.losses`, `lab.eager_losses`), plain PyTorch (`torch._logging.set_logs(recompiles=True)` names
+# each recompilation's reason), `compare_grads`, and `lab.rerun(stage=f)`. Then write
+# `diagnose(lab)`: your diagnosis and the stage function you rewrote (lab 00 shows the format). The
+# check reruns the training with your stage and compares its losses, weights and compiled graphs
+# with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("11")
+
+
+# %%
+# lab 11: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 11: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [12 · Batch size: gradient noise, throughput and the global batch](12_batch_size.ipynb): compiling
 # is one way to buy speed; 12 measures what the batch size buys and costs.
