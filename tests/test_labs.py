@@ -813,19 +813,33 @@ def test_the_notebook_check_runs_diagnose_and_raises_only_under_nbgrader(capsys,
 # --- the verdict that counts: the answer cell graded in a process of its own (labkit.labs._isolated) ---
 
 def _answer_cell(variant_id: str, extra: str = "") -> str:
-    """Lab 00's answer cell as a learner writes it: ``variant_id``'s diagnosis and its second repair (as text)."""
-    lab = lab_of("00")
+    """The lab's answer cell as a learner writes it: ``variant_id``'s diagnosis and its second repair (as text)."""
+    lab_id = variant_id.split(".")[0]
+    lab = lab_of(lab_id)
     repair = REPAIRS[variant_id][1]
     stage = repair.split("def ", 1)[1].split("(", 1)[0]
-    return (f"# lab 00: your answer\n{extra}{repair}\n"
+    return (f"# lab {lab_id}: your answer\n{extra}{repair}\n"
             f"def diagnose(lab):\n    return {lab.variant(variant_id).cause!r}, {stage}\n")
 
 
 def _learner_with(variant_id: str, other_than: str = "") -> str:
-    """A learner key whose draw of lab 00 is ``variant_id`` (the draw is a hash: found, not chosen)."""
-    lab = lab_of("00")
-    return next(key for n in range(100) if (key := learner_key(learner=f"learner{n}")) != other_than
-                and lab.variants[draw("00", key, len(lab.variants))[0]].id == variant_id)
+    """A learner key whose draw of the lab is ``variant_id`` (the draw is a hash: found, not chosen)."""
+    lab_id = variant_id.split(".")[0]
+    lab = lab_of(lab_id)
+    return next(key for n in range(200) if (key := learner_key(learner=f"learner{n}")) != other_than
+                and lab.variants[draw(lab_id, key, len(lab.variants))[0]].id == variant_id)
+
+
+@pytest.mark.parametrize("lab_id", lab_ids())
+def test_every_lab_passes_a_correct_answer_cell_in_the_isolated_grader(lab_id):
+    # the verdict that counts (nbgrader, progress, labs.check on an answer cell) comes from a child
+    # process that refuses fork and subprocess: every lab must train there; one variant a lab, taken in turn
+    from labkit.labs._isolated import grade_lab_cell
+
+    variants = lab_of(lab_id).variants
+    variant_id = variants[lab_ids().index(lab_id) % len(variants)].id
+    result = grade_lab_cell(lab_id, _answer_cell(variant_id), "diagnose", _learner_with(variant_id))
+    assert result.passed, result.message
 
 
 def test_the_isolated_grader_redraws_the_variant_from_the_learner_and_judges_their_own_repair():
