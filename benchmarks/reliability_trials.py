@@ -403,8 +403,10 @@ def pg26(work):
     started = time.monotonic()
     rc, out, report = progress(folder, timeout=500)
     took = time.monotonic() - started
-    good = rc == 0 and list(statuses(report).values()).count("not yet") >= 3
-    return (OK if good else WRONG), f"{took:.0f} s for 3 endless answers, rc {rc}"
+    stopped = [row for row in (report or {}).get("exercises", []) if row["exercise"] == "00.1"
+               and row["status"] == "not yet" and "did not finish" in row["message"]]
+    good = rc == 0 and len(stopped) == 1 and took < 3 * 300  # one row per exercise; each answer bounded
+    return (OK if good else WRONG), f"{took:.0f} s for 3 endless answers, rc {rc}, {len(stopped)} stopped at the limit"
 
 
 @trial("PG28")
@@ -504,9 +506,9 @@ def cr3(work):
 
 @trial("CR4", "CR5")
 def cr4(work):
-    rc, out = course(work, "00")
+    rc, out = course(work, "00", "--assignment", "ps1")
     (work / "C" / "submitted" / "alice" / "ps1").mkdir(parents=True, exist_ok=True)
-    again = cli_outcome(*course(work, "00"), "handed in")
+    again = cli_outcome(*course(work, "00", "--assignment", "ps1"), "handed in")
     rc5, out5 = course(work, "02", "--assignment", "ps2")
     kept = (work / "C" / "release" / "ps1" / NB00).exists() and (work / "C" / "release" / "ps2" / NB02).exists()
     return again if os.environ["RELIAB_ID"] == "CR4" else ((OK if rc5 == 0 and kept else WRONG), f"rc {rc5}, both kept {kept}")
@@ -514,7 +516,8 @@ def cr4(work):
 
 @trial("CR6")
 def cr6(work):
-    runs = [subprocess.Popen([PY, "-m", "labkit", "course", "create", "00", "--dest", str(work / "C")], cwd=ROOT,
+    runs = [subprocess.Popen([PY, "-m", "labkit", "course", "create", "00", "--assignment", "ps1", "--dest", str(work / "C")],
+                             cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [(p.communicate(timeout=280)[0], p.returncode) for p in runs]
     release = sorted(p.name for p in (work / "C" / "release" / "ps1").glob("*"))
@@ -579,6 +582,7 @@ def ws12(work):
 
 @trial("WS13")
 def ws13(work):
+    os.chmod(work, 0o711)  # the hub refuses a room its learners cannot reach before it reads the port
     course(work, "00")
     outcomes = [cli_outcome(*hub_config({"GRADIENTLAB_HUB_PORT": "80a", "GRADIENTLAB_COURSE": str(work / "C"),
                                          "GRADIENTLAB_ROOM": str(work / "room")}), "80a"),
@@ -720,7 +724,9 @@ def pm10(work):
                    "--kernel", "python3"], timeout=360)
     if target.exists():
         return WRONG, f"the name ran as code: {target.name} created; rc {rc}"
-    return cli_outcome(rc, out)
+    said = next((line for line in out.splitlines() if line.startswith("ParameterError: papermill injected")), None)
+    # papermill frames a failing cell in its own traceback; the line it ends with is what PM1-PM5 count as clear
+    return (CLEAR, f"rc {rc}, nothing ran: {said[:200]}") if rc and said else cli_outcome(rc, out)
 
 
 @trial("PM13", "PM14")
@@ -1096,7 +1102,7 @@ VERDICTS = (OK, CLEAR, TRACEBACK, HANG, WRONG, LEAK)
 
 def write_table(results: dict, manual: dict[str, tuple[str, str]]) -> str:
     """The results page's table: one row per trial, its outcome and how it was checked; and the counts."""
-    rows, counts = [], dict.fromkeys(VERDICTS, 0)
+    rows, counts, review_counts = [], dict.fromkeys(VERDICTS, 0), dict.fromkeys(VERDICTS, 0)
     for trial_id in REVIEW_ORDER:
         if trial_id in manual:
             outcome, seen = manual[trial_id]
@@ -1107,11 +1113,14 @@ def write_table(results: dict, manual: dict[str, tuple[str, str]]) -> str:
         else:
             outcome, seen, how = "not rerun", "", ""
         counts[outcome] = counts.get(outcome, 0) + 1
+        if not trial_id.startswith(("NF", "X")):
+            review_counts[outcome] = review_counts.get(outcome, 0) + 1
         rows.append(f"| {trial_id} | {outcome} | {how} | {' '.join(seen.split()).replace('|', '/')[:300]} |")
-    review = [i for i in REVIEW_ORDER if not i.startswith(("NF", "X"))]
-    header = ", ".join(f"{verdict} {counts[verdict]}" for verdict in VERDICTS)
-    return (f"Counts over all {len(REVIEW_ORDER)} rows ({len(review)} of the review, 4 added): {header}"
-            + "".join(f", {k} {v}" for k, v in counts.items() if k not in VERDICTS) + "\n\n"
+    def said(tally: dict) -> str:
+        return ", ".join(f"{verdict} {count}" for verdict, count in tally.items() if verdict in VERDICTS or count)
+
+    return (f"**The review's {sum(review_counts.values())} rows: {said(review_counts)}.** "
+            f"All {len(REVIEW_ORDER)} rows, the 4 added ones included: {said(counts)}.\n\n"
             + "| id | outcome | checked | what was seen |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
 
 
@@ -1121,6 +1130,20 @@ BY_HAND: dict[str, tuple[str, str]] = {
                 "cell through grading.grade_cell, the process PG8's script trial shows refusing to read notebooks/"),
     "ST6": (CLEAR, "make lab-student's command as root on a corrupted student/00: JupyterLab's 'Running as root is "
                    "not recommended. Use --allow-root to bypass.' (unchanged; root is not a learner's account)"),
+    "WS12": (OK, "argued: the script's WS12 still writes through a learner's symlinked ps1/ (copy_release follows it), "
+                 "but on the hub copy_release runs as the learner (workshop.serve refuses root), so the link leads only "
+                 "where the learner may write anyway; the review's risk was root writing there"),
+    "X14": (TRACEBACK, "script: `repro 14_data_loading -p num_workers 0` (0 is allowed: 'from 0 to 16') ends rc 1 with "
+                       "'cell 10 raised AssertionError: _SingleProcessDataLoaderIter requires timeout == 0': torch's internal "
+                       "assertion, naming neither num_workers nor what to do (14 gives DataLoader(num_workers=num_workers, "
+                       "timeout=WAIT_S) in its probe and noise cells)"),
+    "PG26": (OK, "script, read by hand: 3 notebooks each with an endless 00.1 took 205 s at load 14 (each answer stopped "
+                 "at its bound, ~60 s of waiting), rc 0; the report has one row per exercise (the last notebook's), 00.1 "
+                 "'not yet: ... did not finish'; the script's first predicate expected a row per notebook"),
+    "AP9": (TRACEBACK, "script, read by hand: the first call of torch.compile(model, fullgraph=True), made inside an "
+                       "active GradTracer(model, optimizer, activations=True), raises dynamo's Unsupported ('Attempted to "
+                       "call a super() attribute that is not a function or method', from weakref.WeakMethod in "
+                       "labkit/tracers/_hooks.py's forward pre-hook); the review saw 2 steps and 6 activation rows"),
     "DK13": (OK, "argued: its 10,000-point input is refused before anything runs (DK12, --max-points 100); a Ctrl-C "
                  "of a local:1 sweep is DK7's replay"),
 }
