@@ -1144,6 +1144,17 @@ BY_HAND: dict[str, tuple[str, str]] = {
                        "active GradTracer(model, optimizer, activations=True), raises dynamo's Unsupported ('Attempted to "
                        "call a super() attribute that is not a function or method', from weakref.WeakMethod in "
                        "labkit/tracers/_hooks.py's forward pre-hook); the review saw 2 steps and 6 activation rows"),
+    "DK8": (OK, "by hand: a 4-point --cluster local:2 sweep, SIGTERM to the repro process at 40 s: exit 5.4 s later at "
+                "load 14, the two running points' partial notebooks kept, summary '0 finished point(s) kept ...; 2 stopped "
+                "while running ...; 2 never started' (the review's miscount is gone), sweep.csv written, no Traceback, "
+                "no tagged process left"),
+    "DK11": (OK, "by hand: --sweep 'device=../../../../../tmp/rr/ESCAPED,$(touch /tmp/rr/PWN),cpu;touch /tmp/rr/PWN2' "
+                 "--cluster local:1: folders device=__________tmp_rr_ESCAPED~3633e3 etc. inside the sweep folder, no file "
+                 "created, each point fails naming the unknown device, sweep.csv written, rc 1, no Traceback"),
+    "CC1": (CLEAR, "by hand, one try: two repro 00_start_here --out SAME at once (steps 5 and 7): one ran (steps 5, 38.6 s), "
+                   "the other 'run folder ... already holds files; runs never write over anything'"),
+    "CC2": (OK, "by hand: two workbook 00 --out SAME at once: two stamped folders (-b900, -cf31), both summaries "
+                "intact, LATEST names one of them"),
     "DK13": (OK, "argued: its 10,000-point input is refused before anything runs (DK12, --max-points 100); a Ctrl-C "
                  "of a local:1 sweep is DK7's replay"),
 }
