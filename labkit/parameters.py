@@ -25,6 +25,7 @@ import linecache
 import math
 import operator
 import re
+import sys
 import tokenize
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -353,3 +354,57 @@ def _typed_cell(source: str) -> dict[str, Parameter] | None:
 def _assigned_names(source: str) -> list[str]:
     return [target.id for node in ast.parse(source).body if isinstance(node, ast.Assign)
             for target in node.targets if isinstance(target, ast.Name)]
+
+
+def guard_injected_cells(shell) -> None:
+    """Make IPython ``shell`` refuse, before anything in it runs, a cell papermill injected (it starts with
+    papermill's ``# Parameters`` comment) that does more than bind names to values: papermill writes each
+    ``-p NAME VALUE`` as ``NAME = VALUE``, so a name such as ``x=1;open('f','w').write('x');y`` would run as code
+    one cell before `check_parameters` sees it (PM10). Such a cell is replaced by a one-line `ParameterError`."""
+    if _refuse_code_in_injected_cell not in shell.input_transformers_post:
+        shell.input_transformers_post.append(_refuse_code_in_injected_cell)
+
+
+def _refuse_code_in_injected_cell(lines: list[str]) -> list[str]:
+    source = "".join(lines)
+    if not source.startswith(_INJECTED_HEADER):
+        return lines
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return lines  # IPython reports it, and nothing of it runs
+    for node in body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and _is_value(node.value)):
+            code = ast.get_source_segment(source, node) or ast.unparse(node)
+            message = (f"papermill injected {code[:120]!r}, which is not NAME = VALUE: a parameter name is a "
+                       "Python name (letters, digits and _), so nothing of that cell was run")
+            return [f"raise __import__('labkit.parameters').parameters.ParameterError({message!r})\n"]
+    return lines
+
+
+def _is_value(node: ast.expr) -> bool:
+    """Whether ``node`` is data as papermill writes it: literals, containers of them, float('nan') and the like."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        return _is_value(node.operand)
+    if isinstance(node, ast.List | ast.Tuple | ast.Set):
+        return all(map(_is_value, node.elts))
+    if isinstance(node, ast.Dict):
+        return all(key is not None and _is_value(key) for key in node.keys) and all(map(_is_value, node.values))
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float"
+            and not node.keywords and len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str))
+
+
+def _guard_this_kernel() -> None:
+    """Guard the IPython kernel this module is imported in (every notebook imports it before its parameters
+    cell); IPython is only looked up, never imported, so a plain Python pays nothing."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None and hasattr(shell, "input_transformers_post"):
+        guard_injected_cells(shell)
+
+
+_guard_this_kernel()

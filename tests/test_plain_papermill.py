@@ -320,3 +320,50 @@ def test_a_bound_may_multiply_and_divide_parameters_and_a_list_states_its_length
         declared_parameters("sizes: list[int] = [1]  # s, each at least 1\nrows: int = 2  # rows, at most 10 * sizes")
     with pytest.raises(Exception, match="only a list has values"):
         declared_parameters("rows: int = 2  # rows, at least 1, at most 3 values")
+
+
+@pytest.fixture
+def guarded_shell():
+    """An in-process IPython shell (no kernel) with the guard a notebook's labkit import installs."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from labkit.parameters import guard_injected_cells
+
+    shell = InteractiveShell.instance()
+    guard_injected_cells(shell)
+    yield shell
+    InteractiveShell.clear_instance()
+
+
+def test_code_in_an_injected_parameter_name_is_refused_before_it_runs(guarded_shell, tmp_path):
+    # PM10: papermill writes `-p NAME VALUE` as `NAME = VALUE`, so this name ran as code one cell before the check
+    target = tmp_path / "INJECTED"
+    name = f"x=1;open({str(target)!r},'w').write('x');y"
+    injected = papermill.translators.translate_parameters("python3", "python", {name: 1})
+    assert injected.startswith("# Parameters")
+    outcome = guarded_shell.run_cell(injected)
+    assert isinstance(outcome.error_in_exec, ParameterError)
+    assert "is not NAME = VALUE" in str(outcome.error_in_exec) and "\n" not in str(outcome.error_in_exec)
+    assert not target.exists()
+    assert "y" not in guarded_shell.user_ns
+
+
+def test_values_as_papermill_writes_them_still_run_in_a_guarded_kernel(guarded_shell):
+    values = {"steps": 5, "lr": float("nan"), "floor": float("-inf"), "name": "a;b", "depths": [8, 16],
+              "options": {"a": None, "b": [True, 1.5]}}
+    injected = papermill.translators.translate_parameters("python3", "python", values)
+    outcome = guarded_shell.run_cell(injected)
+    assert outcome.success, outcome.error_in_exec
+    assert {key: guarded_shell.user_ns[key] for key in ("steps", "name", "depths", "options")} == \
+        {key: values[key] for key in ("steps", "name", "depths", "options")}
+    assert math.isnan(guarded_shell.user_ns["lr"]) and guarded_shell.user_ns["floor"] == float("-inf")
+    assert guarded_shell.run_cell("x = 1; print(x)").success  # a learner's own cell is left alone
+
+
+def test_importing_labkit_in_a_kernel_guards_it():
+    # every notebook imports labkit.repro (and with it labkit.parameters) before its parameters cell
+    code = ("from IPython.core.interactiveshell import InteractiveShell\nshell = InteractiveShell.instance()\n"
+            "import labkit.repro\nfrom labkit import parameters\n"
+            "print(parameters._refuse_code_in_injected_cell in shell.input_transformers_post)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]

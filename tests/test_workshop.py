@@ -28,6 +28,7 @@ module skips, saying so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pwd
@@ -141,12 +142,13 @@ class Room:
         return self.log.read_text(errors="replace")[-4000:]
 
     def stop(self) -> list[str]:
-        """SIGINT to the hub (Ctrl-C); return what was still running 60 s later, then kill that."""
+        """SIGINT to the hub's process group, as Ctrl-C in `make workshop`'s terminal sends it (the proxy, in that
+        group, gets it too: WS15); return what was still running 60 s later, then kill that."""
         if self.stopped is not None:
             return self.stopped
         if self.hub.poll() is None:
             self.remember_processes()
-            self.hub.send_signal(signal.SIGINT)
+            os.killpg(self.hub.pid, signal.SIGINT)
             try:
                 self.hub.wait(60)
             except subprocess.TimeoutExpired:
@@ -453,6 +455,8 @@ def worked(room):
         results.update(zip(LEARNERS, pool.map(lambda learner: work_on_00(room, learner, servers[learner],
                                                                          answers[learner]), LEARNERS)))
     room.phase("ada and bo ran 00 in their servers")
+    room.remember_processes()  # the kernels too, while they run
+    results["listeners"] = listeners(room)
     for learner in LEARNERS:
         submit(room, learner, servers[learner])
     with ThreadPoolExecutor(2) as pool:  # two nbgrader processes: side by side, as two terminals would
@@ -463,11 +467,40 @@ def worked(room):
     room.phase("both submitted, ada twice as bo, instructor collected")
     nbgrader(room.course, "autograde", ASSIGNMENT)
     room.phase("instructor autograded")
+    results["room"] = {path.name: (stat.S_IMODE(path.stat().st_mode), path.stat().st_uid)
+                       for path in room.room.iterdir() if path.name != "learners"}
     with Gradebook(f"sqlite:///{room.course / 'gradebook.db'}", layout.COURSE_ID) as gradebook:
         results["scores"] = {learner: {nb.name: (nb.score, nb.max_score)
                                        for nb in gradebook.find_submission(ASSIGNMENT, learner).notebooks}
                              for learner in LEARNERS}
     return results
+
+
+def listeners(room: Room) -> dict[str, set[str]]:
+    """The addresses every process of the hub's tree listens on (hub, proxy, servers, kernels), by process."""
+    found: dict[str, set[str]] = {}
+    for process in [psutil.Process(room.hub.pid), *room.processes.values()]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for connection in process.net_connections(kind="inet"):
+                if connection.status == psutil.CONN_LISTEN:
+                    found.setdefault(f"{process.pid} {' '.join(process.cmdline()[:3])}", set()).add(connection.laddr.ip)
+    return found
+
+
+def test_the_hub_its_proxy_the_servers_and_their_kernels_listen_on_loopback_only(worked):
+    # WS1 of the reliability review, rerun with a server and a kernel per learner account
+    assert len(worked["listeners"]) >= 4, f"expected the hub, the proxy and two servers listening: {worked['listeners']}"
+    assert {ip for ips in worked["listeners"].values() for ip in ips} == {"127.0.0.1"}, worked["listeners"]
+
+
+def test_the_room_s_database_and_cookie_secret_stay_root_s_alone_while_the_hub_runs(worked):
+    # WS2: the database (password hashes, tokens) and cookie secret as the running hub left them, journals included
+    secrets_ = {name: mode_uid for name, mode_uid in worked["room"].items()
+                if name.startswith((workshop.HUB_DATABASE, "jupyterhub_cookie_secret"))}
+    assert "jupyterhub_cookie_secret" in secrets_ and workshop.HUB_DATABASE in secrets_, worked["room"]
+    assert set(secrets_.values()) == {(0o600, 0)}, secrets_
+    # the rest: JupyterHub's pid file (0644, the hub's pid, which /proc shows every account anyway)
+    assert set(worked["room"]) - set(secrets_) <= {"jupyterhub.pid"}, worked["room"]
 
 
 def test_each_learner_runs_00_in_their_own_copy_in_the_project_environment(room, worked):
