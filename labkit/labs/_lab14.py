@@ -129,7 +129,10 @@ def train(stages, seed: int) -> Run:
     loader = DataLoader(SampledRows(x, y, stages, seed + 1), batch_size=BATCH, num_workers=WORKERS,
                         collate_fn=partial(_collate_in_worker, stages["collate"]),
                         worker_init_fn=partial(_start_worker, stages["seed_worker"]),
-                        generator=torch.Generator().manual_seed(seed + 2), timeout=WAIT_S)
+                        generator=torch.Generator().manual_seed(seed + 2), timeout=WAIT_S,
+                        # forked, as on Linux by default: a learner's stage defined in a notebook cell could not
+                        # be imported by a spawned worker (macOS's and Windows's default)
+                        multiprocessing_context="fork")
     losses, epochs, threads = [], [], set()
     for _ in range(EPOCHS):
         batches = iter(loader)
@@ -156,7 +159,7 @@ def train(stages, seed: int) -> Run:
     batches = [batch for epoch in epochs for batch in epoch]
     return Run({"held_out_loss": held_out_loss, "accuracy": accuracy, "train_accuracy": train_accuracy}, trace,
                {"model": model, "optimizer": optimizer, "losses": losses, "batches": batches,
-                "dataset": SampledRows(x, y, stages, seed + 1), "x": x, "y": y, "x_test": x_test, "y_test": y_test},
+                "x": x, "y": y, "x_test": x_test, "y_test": y_test},
                audit.problems(len(losses)))  # a step per batch the workers hand over: their count is the stream's
 
 

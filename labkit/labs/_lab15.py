@@ -179,7 +179,7 @@ def show(run: Run) -> None:
     for rank, result in enumerate(ranks):
         print(f"  rank {rank}: {curve_text(result['losses'])}")
     print("held-out loss of each rank's model, evaluated through DDP: "
-          + ", ".join(f"rank {rank} {result['held_out_loss']:.4f}" for rank, result in enumerate(ranks))
+          + ", ".join(f"rank {rank} {result['held_out_loss']:.5f}" for rank, result in enumerate(ranks))
           + f"; accuracy on rank 0: {run.metrics['accuracy']:.1%}")
 
 

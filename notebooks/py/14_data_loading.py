@@ -728,8 +728,8 @@ grading.score()
 # drawn for you from this notebook's family. `labs.start` prints what you would see (the loss, the
 # batches per epoch, the accuracy), the causes you may choose from (decoys included) and the stages
 # you may rewrite; investigate with the run's objects (`lab.batches`: each step's indices, inputs,
-# labels and the worker that made it; `lab.x`, `lab.y`, `lab.dataset`, `lab.losses`), plain PyTorch
-# and a `DataLoader` of your own, and `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis
+# labels and the worker that made it; `lab.x`, `lab.y`, `lab.losses`), plain PyTorch and a
+# `DataLoader` of your own, and `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis
 # and the stage function you rewrote (lab 00 shows the format). The check reruns the training with
 # your stage and compares what the workers handed over and the held-out loss with the same training
 # without the defect.
