@@ -78,9 +78,12 @@ lab: $(STAMP) ## open the workbook with its solutions (notebooks/) in JupyterLab
 
 # A learner's start: the student edition, written first when there is none (make student never
 # overwrites a notebook that holds a learner's answers).
+# A learner's JupyterLab without nbgrader's instructor tools (its menu, Validate, Create Assignment), which the
+# dev extras install: LEARNER_LAB_CONFIG is one more Jupyter config folder, whose labconfig disables them.
+LEARNER_LAB_CONFIG := $(CURDIR)/labkit/data/learner_lab
 lab-student: $(STAMP) ## open the student edition (student/, no solutions) in JupyterLab; writes it first if missing
 	@test -f student/00_start_here.ipynb || $(MAKE) --no-print-directory student
-	$(VENV)/bin/jupyter lab student/00_start_here.ipynb
+	JUPYTER_CONFIG_PATH="$(LEARNER_LAB_CONFIG)$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" $(VENV)/bin/jupyter lab student/00_start_here.ipynb
 
 # The course website from the stored outputs (nothing executes), warnings as errors; site/build.py.
 site: $(STAMP) ## build the course website into site/_build/html (Sphinx, from the stored outputs, offline)

@@ -162,18 +162,27 @@ class _Namespaces:
     """The attributes of the modules and classes checks use, as they were when the check began.
 
     `restore` puts back every attribute an answer replaced or deleted, and removes what it added
-    to a class (a module may grow attributes by lazy imports, which stay).
+    to a class (a module may grow attributes by lazy imports, which stay). ``objects`` are more
+    things a check judges by (a lab's definition, its variants, their dicts of stages): their
+    attributes, or a dict's items, are put back too, a frozen dataclass's included.
     """
 
-    def __init__(self, check_module: str) -> None:
-        self.modules = [module for module in _guarded_modules(check_module) if module is not None]
+    def __init__(self, check_module: str, *more_modules: str, objects: tuple = ()) -> None:
+        self.modules = [module for module in _guarded_modules(check_module, *more_modules) if module is not None]
         self.classes = [torch.Tensor, nn.Module, nn.Parameter, torch.optim.Optimizer, np.ndarray]
+        self.objects = list(objects)
         self.saved = {id(space): dict(vars(space)) for space in self.modules + self.classes}
+        self.saved |= {id(space): dict(space if isinstance(space, dict) else vars(space)) for space in self.objects}
 
     def restore(self) -> None:
+        for space in self.objects:  # their own items, put back exactly (a frozen dataclass's setattr refuses)
+            saved, now = self.saved[id(space)], space if isinstance(space, dict) else vars(space)
+            if not _unchanged(now, saved):
+                now.clear()
+                now.update(saved)
         for space in self.modules + self.classes:
             saved, now = self.saved[id(space)], vars(space)
-            if len(now) == len(saved) and all(now.get(key, _MISSING) is value for key, value in saved.items()):
+            if _unchanged(now, saved):
                 continue
             for key, value in saved.items():
                 if now.get(key, _MISSING) is not value:
@@ -186,11 +195,15 @@ class _Namespaces:
 _MISSING = object()
 
 
-def _guarded_modules(check_module: str) -> list:
+def _unchanged(now: dict, saved: dict) -> bool:
+    return len(now) == len(saved) and all(now.get(key, _MISSING) is value for key, value in saved.items())
+
+
+def _guarded_modules(check_module: str, *more_modules: str) -> list:
     # grading and this sandbox are one runtime, split in two files: an answer may patch either
     return [builtins, math, random, np, torch, nn, F, torch.autograd, torch.linalg, torch.testing, torch.optim,
             sys.modules.get(check_module), sys.modules["labkit.grading"], sys.modules[__name__],
-            sys.modules["labkit.exercises"]]
+            sys.modules["labkit.exercises"], *(sys.modules.get(name) for name in more_modules)]
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
 """The grading process's side of `labkit._grader_process`: run one answer cell, check it, report as data.
 
+An exercise's cell, or a lab's answer cell (`labkit.labs._isolated` readies the lab and judges it).
+
 Forked from the zygote (`labkit._grader_zygote`), which imported everything a check needs, with a JSON
 request on stdin. Before any learner code runs it caps its own CPU time, memory and file sizes
 (resource.setrlimit), moves into its scratch folder, points stdout and stderr away from the result
@@ -30,6 +32,7 @@ from pathlib import Path
 import labkit.grading as grading
 from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _time_limit
 from labkit.exercises import registry
+from labkit.labs import _isolated
 from labkit.messages import describe_error
 
 __all__: list[str] = []
@@ -57,16 +60,22 @@ def main() -> None:
     request = json.loads(_read_line(0))
     results = os.fdopen(os.dup(1), "w")
     _quiet_standard_streams(request["scratch"])
-    spec = registry()[request["exercise"]]
     os.chdir(request["scratch"])
     os.environ.update(HOME=request["scratch"], TMPDIR=request["scratch"])
-    namespaces = _Namespaces(spec.check.__module__)
+    if "lab" in request:  # the learner's run and the reference runs are trained before any learner code
+        prepared = _isolated.prepare(request)
+        namespaces = _Namespaces("labkit.labs._check", *prepared.modules, objects=prepared.objects)
+    else:
+        namespaces = _Namespaces(registry()[request["exercise"]].check.__module__)
     # the cell and the check each have the time limit; the imports so far are not the answer's
     _limit_resources(2 * request["time_limit_s"] + time.process_time())
     results.write("ready\n")
     results.flush()
     sys.addaudithook(_audit_hook(os.path.realpath(request["scratch"]), request["forbidden"]))
-    verdict = _grade(request, namespaces)
+    if "lab" in request:
+        verdict = _verdict(_isolated.judge(request, prepared, namespaces, _time_limit))
+    else:
+        verdict = _grade(request, namespaces)
     # The nonce waited in the pipe, out of reach of the answer's Python objects and frames.
     results.write(json.dumps({"nonce": _read_line(0), **verdict}) + "\n")
     results.flush()

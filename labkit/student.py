@@ -24,6 +24,9 @@ from pathlib import Path
 import nbformat
 
 from labkit.errors import LabkitError
+from labkit.labs._isolated import checked_function as checked_lab_function
+from labkit.labs._isolated import lab_of_answer_cell
+from labkit.labs._registry import LAB_MODULES, lab_of
 from labkit.messages import first_line
 from labkit.notebooks import NOTEBOOK_GLOB
 
@@ -70,6 +73,52 @@ def check_metadata(exercise_id: str) -> dict:
     grade_id = "check_" + exercise_id.replace(".", "_")
     return {"grade": True, "grade_id": grade_id, "locked": True, "points": CHECK_POINTS, "schema_version": 3,
             "solution": False}
+
+
+def lab_check_metadata(lab_id: str) -> dict:
+    """The cell metadata that makes a lab's check cell (``labs.check(lab, diagnose)``) an nbgrader autograder test.
+
+    As an exercise's (`check_metadata`): locked, `CHECK_POINTS` points; nbgrader's autograde replaces its
+    outputs with the verdict of the lab's answer cell graded in isolation (labkit.course.isolated_autograde).
+    """
+    return {"grade": True, "grade_id": f"check_lab_{lab_id}", "locked": True, "points": CHECK_POINTS,
+            "schema_version": 3, "solution": False}
+
+
+def with_lab_checks(notebook: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
+    """``notebook`` with every lab check cell made a locked nbgrader test (`lab_check_metadata`), in place.
+
+    Derived from the cells' shape, so every lab a notebook gains is graded without a list to keep: a
+    code cell that is ``labs.check(lab, FUNCTION)`` checks the notebook's lab (its number, ``NN`` of
+    ``NN_name``), whose answer cell (first line ``# lab NN: your answer``) must come before it and define
+    FUNCTION. The source notebooks carry no such metadata (their stored outputs stay as they are); the
+    student edition and the nbgrader course source get it here.
+    """
+    answered: set[str] = set()
+    for index, cell in enumerate(notebook.cells):
+        if cell["cell_type"] != "code":
+            continue
+        where = f"{name} cell {index + 1}"
+        lab_id = lab_of_answer_cell(cell["source"])
+        if lab_id is not None:
+            _lab_of_notebook(lab_id, name, where)
+            answered |= {f"{lab_id}:{f}" for f in re.findall(r"^def ([A-Za-z_]\w*)\(", cell["source"], re.MULTILINE)}
+        function = checked_lab_function(cell["source"])
+        if function is None:
+            continue
+        lab_id = _lab_of_notebook(name[:2], name, where)
+        if f"{lab_id}:{function}" not in answered:
+            raise LabkitError(f"{where} checks lab {lab_id}'s {function}, but no cell above it starts with "
+                              f"'# lab {lab_id}: your answer' and defines 'def {function}(lab):'; restore that cell")
+        cell["metadata"]["nbgrader"] = lab_check_metadata(lab_id)
+    return notebook
+
+
+def _lab_of_notebook(lab_id: str, name: str, where: str) -> str:
+    if lab_id not in LAB_MODULES or lab_of(lab_id).notebook != Path(name).stem:
+        raise LabkitError(f"{where} is a lab cell, but labkit.labs has no lab {lab_id} for {Path(name).stem}; add "
+                          f"labkit/labs/_lab{name[:2]}.py or remove the lab's cells")
+    return lab_id
 
 
 def exercise_id_of(cell: dict, header: re.Pattern = EXERCISE_HEADER) -> str | None:
@@ -210,7 +259,7 @@ def _assemble(exercise_id: str, roles: dict[str, tuple[int, str]], name: str) ->
 def student_notebook(notebook: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
     """A copy of a solution notebook with answers stubbed and outputs cleared."""
     exercises = find_exercises(notebook, name)
-    edition = copy.deepcopy(notebook)
+    edition = with_lab_checks(copy.deepcopy(notebook), name)
     for index, cell in enumerate(edition.cells):
         if cell["cell_type"] != "code":
             continue

@@ -84,10 +84,9 @@ def test_every_committed_notebook_is_marked():
         assert marks.marked(nbformat.read(path, 4), path.name) == [], f"run python -m labkit course mark {path.stem[:2]}"
 
 
-def test_a_lab_check_cell_is_no_nbgrader_test_yet():
-    # nbgrader's isolated regrade (labkit.course.isolated_autograde) knows exercises, not labs: a graded
-    # lab cell would score whatever the learner's kernel makes it print (unset NBGRADER_EXECUTION and
-    # it passes), so labs count in the learner's kernel and in `progress --stored` only, for now.
+def test_a_lab_check_cell_gets_its_grade_metadata_from_the_generator_not_the_notebook():
+    # student.with_lab_checks adds it to the student edition and the course source, from the cell's shape
+    # (tests/test_student.py), so the notebooks' stored outputs and a new lab's cells need no marking.
     for path in workbook_notebooks():
         for cell in nbformat.read(path, 4).cells:
             if cell.cell_type == "code" and cell.source.startswith("labs.check("):

@@ -1,12 +1,15 @@
 """Real nbgrader on a course laid out by `make course` (labkit.course.layout): generate_assignment on 00, 02,
-04 and 05, then one autograde of three learners. alice hands in 00's solutions (full points), bob 04's release
-whose stubs attack the grader (0 points: 04.1's cell ignores SIGALRM, 04.2's function calls os._exit), carol a
-release of 00 with 00.1 answered and 00.2's stub cell unsetting NBGRADER_EXECUTION, replacing grading.check and
-patching torch, and 00.2's check cell replaced by a faked pass (nbgrader restores the locked cell, and labkit's
-regrade in isolation scores the stub: 1 of 2). `labkit progress` on the same submissions gives the same scores
-(reliability trials NG1, NG2). Bad input fails before anything is written.
+04 and 05, then one autograde of four learners. alice hands in 00's solutions and her own lab 00 answer (full
+points), bob 04's release whose stubs attack the grader (0 points: 04.1's cell ignores SIGALRM, 04.2's function
+calls os._exit), carol a release of 00 with 00.1 answered, 00.2's stub cell unsetting NBGRADER_EXECUTION,
+replacing grading.check and patching torch, 00.2's check cell replaced by a faked pass (nbgrader restores the
+locked cell, and labkit's regrade in isolation scores the stub), and alice's lab answer in her lab cell, which
+also unsets NBGRADER_EXECUTION and replaces labs.check (carol's variant is another: 0 on the lab, 1 of 3),
+erin a release of 00 with only her own lab answer (her variant is not alice's: the lab's point, 1 of 3).
+`labkit progress` on the same submissions gives the same scores (reliability trials NG1, NG2). Bad input fails
+before anything is written.
 
-One autograde run executes three notebooks, one kernel each; everything else reuses it. Each case needs one
+One autograde run executes four notebooks, one kernel each; everything else reuses it. Each case needs one
 notebook: the solutions, a stub, a learner's edit. The untouched release is 04's, not 00's, so that the run
 also grades a second notebook of the assignment and its checks' points; 04 is among the cheapest notebooks
 (8-9 s of Run All on a quiet machine, benchmarks/results/notebook_runtime.md). nbgrader executes only the notebooks a
@@ -28,6 +31,8 @@ from labkit import grading, student
 from labkit.__main__ import main as labkit_main
 from labkit.course import exercise_progress, layout, marks
 from labkit.errors import LabkitError
+from labkit.labs._draw import draw, learner_key
+from labkit.labs._registry import lab_of
 
 pytest.importorskip("nbgrader", reason="nbgrader is in the course extra: pip install -e '.[course]'")
 from nbgrader.api import Gradebook  # noqa: E402 (after the skip)
@@ -37,7 +42,7 @@ NOTEBOOKS = [ROOT / "notebooks" / f"{stem}.ipynb" for stem in
              ("00_start_here", "02_gradients_accumulate", "04_autograd_modes", "05_batchnorm_finetuning")]
 ASSIGNMENT = "ps1"
 AUTOGRADE_TIMEOUT_S = 1200
-# The one autograde executes three notebooks (about 30 s of CPU); a busy machine stretches that several times.
+# The one autograde executes four notebooks (about 40 s of CPU); a busy machine stretches that several times.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(AUTOGRADE_TIMEOUT_S + 300)]
 
 
@@ -65,6 +70,35 @@ IGNORE_ALARM = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n" 
 EXIT_IN_FUNCTION = "\ndef mean_output(gru, padded, lengths):\n    import os\n    os._exit(0)\n"  # PG5
 
 
+# Lab 00's answer cell, right for each variant: the diagnosis and the repaired stage.
+LAB_REPAIRS = {
+    "00.a": "def loss_of(prediction, target):\n    return (prediction - target).pow(2).mean()\n",
+    "00.b": "def update(model, optimizer, loss):\n    model.zero_grad()\n    loss.backward()\n    optimizer.step()\n",
+    "00.c": "def make_batches(x, y, batch_size, generator):\n    order = torch.randperm(len(x), generator=generator)\n"
+            "    return list(zip(x[order].split(batch_size), y[order].split(batch_size)))\n",
+}
+UNSET_AND_REPLACE_LABS = ("import os\nos.environ.pop('NBGRADER_EXECUTION', None)\n"
+                          "from labkit import labs as _labs\n_labs.check = lambda *a, **k: print('✓ Lab 00 passed')\n")
+
+
+def lab_variant(learner: str) -> str:
+    """The variant of lab 00 nbgrader's student ``learner`` is graded on."""
+    lab = lab_of("00")
+    return lab.variants[draw("00", learner_key(learner=learner), len(lab.variants))[0]].id
+
+
+def lab_answer(variant: str, extra: str = "") -> str:
+    stage = LAB_REPAIRS[variant].split("def ", 1)[1].split("(", 1)[0]
+    return (f"# lab 00: your answer\n{extra}{LAB_REPAIRS[variant]}\n"
+            f"def diagnose(lab):\n    return {lab_of('00').variant(variant).cause!r}, {stage}\n")
+
+
+def with_lab_answer(nb: nbformat.NotebookNode, source: str) -> nbformat.NotebookNode:
+    (cell,) = [cell for cell in nb.cells if cell.cell_type == "code" and cell.source.startswith("# lab 00: your answer")]
+    cell.source = source
+    return nb
+
+
 def with_lines(nb: nbformat.NotebookNode, exercise_id: str, lines: str) -> None:
     (cell,) = [cell for cell in nb.cells if student.exercise_id_of(cell) == exercise_id]
     cell.source += "\n" + lines
@@ -80,8 +114,9 @@ def attacking_04(course: Path) -> nbformat.NotebookNode:
 
 def faked_00(course: Path) -> nbformat.NotebookNode:
     """The release of 00 with 00.1 answered, 00.2's stub cell patching the grader, and 00.2's check replaced
-    by a hand-made "passed" display."""
-    nb = released(course, "00_start_here.ipynb")
+    by a hand-made "passed" display; its lab cell holds alice's answer and unsets nbgrader and labs.check."""
+    nb = with_lab_answer(released(course, "00_start_here.ipynb"), lab_answer(lab_variant("alice"),
+                                                                             UNSET_AND_REPLACE_LABS))
     solution = student.find_exercises(nbformat.read(NOTEBOOKS[0], 4), "00_start_here.ipynb")["00.1"].solution
     with_lines(nb, "00.2", UNSET_NBGRADER + REPLACE_CHECK + PATCH_TORCH)
     for cell in nb.cells:
@@ -96,12 +131,19 @@ def faked_00(course: Path) -> nbformat.NotebookNode:
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory) -> Path:
-    """A course with ps1 = 00, 02, 04, 05, autograded once for alice, bob and carol."""
+    """A course with ps1 = 00, 02, 04, 05, autograded once for alice, bob, carol and erin."""
+    # Lab 00 draws a variant per student: carol's and erin's are not alice's, so alice's answer is wrong for them.
+    assert lab_variant("carol") != lab_variant("alice") and lab_variant("erin") != lab_variant("alice")
     root = tmp_path_factory.mktemp("course") / "course"
     layout.create_course(NOTEBOOKS, root, ASSIGNMENT)
-    hand_in(root, "alice", {"00_start_here.ipynb": nbformat.read(NOTEBOOKS[0], 4)})
+    # the instructor's source: the solutions, with the metadata the release carries (the lab check's included)
+    alice = with_lab_answer(nbformat.read(root / "source" / ASSIGNMENT / NOTEBOOKS[0].name, 4),
+                            lab_answer(lab_variant("alice")))
+    hand_in(root, "alice", {"00_start_here.ipynb": alice})
     hand_in(root, "bob", {"04_autograd_modes.ipynb": attacking_04(root)})
     hand_in(root, "carol", {"00_start_here.ipynb": faked_00(root)})
+    erin = with_lab_answer(released(root, "00_start_here.ipynb"), lab_answer(lab_variant("erin")))
+    hand_in(root, "erin", {"00_start_here.ipynb": erin})
     done = nbgrader(root, "autograde", ASSIGNMENT)
     assert done.returncode == 0, done.stderr[-2000:]
     (root / "autograde.log").write_text(done.stderr)
@@ -115,30 +157,58 @@ def scores(course: Path, learner: str) -> dict[str, tuple[float, float]]:
 
 
 def test_the_solutions_get_full_points(course):
-    assert scores(course, "alice")["00_start_here"] == (2.0, 2.0)
+    assert scores(course, "alice")["00_start_here"] == (3.0, 3.0)
+    assert check_scores(course, "alice")["check_lab_00"] == 1.0
+
+
+def test_two_learners_with_different_variants_each_pass_the_lab_with_their_own_answer(course):
+    assert lab_variant("erin") != lab_variant("alice")
+    assert check_scores(course, "alice")["check_lab_00"] == check_scores(course, "erin")["check_lab_00"] == 1.0
+    assert scores(course, "erin")["00_start_here"] == (1.0, 3.0)
+    log = (course / "autograde.log").read_text()
+    assert "labkit regraded lab 00 for alice in isolation: passed" in log
+    assert "labkit regraded lab 00 for erin in isolation: passed" in log
+
+
+def test_another_learners_lab_answer_with_nbgrader_unset_and_the_check_replaced_gets_nothing(course):
+    assert check_scores(course, "carol")["check_lab_00"] == 0.0
+    assert "labkit regraded lab 00 for carol in isolation: not yet" in (course / "autograde.log").read_text()
+    graded = nbformat.read(course / "autograded" / "carol" / ASSIGNMENT / "00_start_here.ipynb", 4)
+    (check,) = [cell for cell in graded.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "check_lab_00"]
+    assert "does not fit your run" in check.outputs[0]["data"]["text/plain"]
 
 
 def test_stubs_that_ignore_the_alarm_or_exit_get_nothing(course):
-    assert scores(course, "bob")["04_autograd_modes"] == (0.0, 2.0)
+    assert scores(course, "bob")["04_autograd_modes"] == (0.0, 3.0)
 
 
 def test_a_stub_that_unsets_nbgrader_replaces_the_check_and_patches_torch_gets_nothing(course):
-    assert scores(course, "carol")["00_start_here"] == (1.0, 2.0)
-    assert check_scores(course, "carol") == {"check_00_1": 1.0, "check_00_2": 0.0}
+    assert scores(course, "carol")["00_start_here"] == (1.0, 3.0)
+    assert check_scores(course, "carol") == {"check_00_1": 1.0, "check_00_2": 0.0, "check_lab_00": 0.0}
     assert "labkit regraded exercise 00.2 in isolation: not yet" in (course / "autograde.log").read_text()
 
 
+def test_the_release_names_no_variant_and_holds_no_defect_code(course):
+    from test_student import revealed_variants
+
+    assert revealed_variants([released(course, path.name) for path in NOTEBOOKS]) == []
+
+
 def test_progress_on_the_same_submissions_gives_the_same_scores(course):
-    for learner in ("bob", "carol"):
-        report = exercise_progress.recheck_folder(course / "submitted" / learner / ASSIGNMENT,
-                                                  course / "source" / ASSIGNMENT)
-        passed: dict[str, float] = {}
-        for row in report.rows:
-            passed[row.notebook] = passed.get(row.notebook, 0.0) + (row.status == exercise_progress.PASSED)
+    for learner in ("bob", "carol", "erin"):
         handed_in = {path.stem for path in (course / "submitted" / learner / ASSIGNMENT).glob("*.ipynb")}
-        assert set(passed) == handed_in
         gradebook = {name: score for name, score in scores(course, learner).items() if name in handed_in}
-        assert {name: (points, gradebook[name][1]) for name, points in passed.items()} == gradebook, learner
+        rechecked = exercise_progress.recheck_folder(course / "submitted" / learner / ASSIGNMENT,
+                                                     course / "source" / ASSIGNMENT).rows
+        # --stored on what autograde wrote: the verdicts its regrade stored, labs included
+        stored = exercise_progress.stored_report(course / "autograded" / learner / ASSIGNMENT).rows
+        for rows in (rechecked, stored):
+            passed: dict[str, float] = {}
+            for row in rows:
+                passed[row.notebook] = passed.get(row.notebook, 0.0) + (row.status == exercise_progress.PASSED)
+            assert set(passed) == handed_in
+            assert {name: (points, gradebook[name][1]) for name, points in passed.items()} == gradebook, learner
+            assert {row.exercise for row in rows} >= {"00.lab"} or learner == "bob"
 
 
 def check_scores(course: Path, learner: str) -> dict[str, float]:
@@ -148,7 +218,7 @@ def check_scores(course: Path, learner: str) -> dict[str, float]:
 
 
 def test_a_faked_check_output_is_restored_and_scored_honestly(course):
-    assert scores(course, "carol")["00_start_here"] == (1.0, 2.0)
+    assert scores(course, "carol")["00_start_here"] == (1.0, 3.0)
     assert "Attribute 'checksum' for cell check_00_2 has changed" in (course / "autograde.log").read_text()
     graded = nbformat.read(course / "autograded" / "carol" / ASSIGNMENT / "00_start_here.ipynb", 4)
     (check,) = [cell for cell in graded.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "check_00_2"]
@@ -249,5 +319,5 @@ def test_a_rerun_for_a_new_assignment_keeps_the_gradebook(course):
     second = course.parent / "second"
     shutil.copytree(course, second)
     layout.create_course(NOTEBOOKS[:1], second, "ps2")
-    assert scores(second, "alice")["00_start_here"] == (2.0, 2.0)
+    assert scores(second, "alice")["00_start_here"] == (3.0, 3.0)
     assert (second / "release" / "ps2" / "00_start_here.ipynb").exists()

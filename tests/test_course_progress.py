@@ -58,9 +58,49 @@ def statuses(folder: Path) -> dict[str, str]:
 
 
 def test_an_untouched_edition_is_not_yet_and_an_answer_passes(learner):
-    assert statuses(learner) == {"00.1": exercise_progress.NOT_YET, "00.2": exercise_progress.NOT_YET}
+    not_yet = exercise_progress.NOT_YET
+    assert statuses(learner) == {"00.1": not_yet, "00.2": not_yet, "00.lab": not_yet}
     edit(learner, answered("00.1"))
-    assert statuses(learner) == {"00.1": exercise_progress.PASSED, "00.2": exercise_progress.NOT_YET}
+    assert statuses(learner) == {"00.1": exercise_progress.PASSED, "00.2": not_yet, "00.lab": not_yet}
+
+
+def lab_answer_for(key: str):
+    """Lab 00's answer cell, right for the variant ``key`` draws: the diagnosis and the untouched stage."""
+    from labkit.labs._draw import draw
+    from labkit.labs._registry import lab_of
+
+    lab = lab_of("00")
+    variant = lab.variants[draw("00", key, len(lab.variants))[0]]
+    (stage,) = variant.defect
+    repair = {"loss_of": "def loss_of(prediction, target):\n    return F.mse_loss(prediction, target)\n",
+              "update": "def update(model, optimizer, loss):\n    optimizer.zero_grad()\n    loss.backward()\n"
+                        "    optimizer.step()\n",
+              "make_batches": "def make_batches(x, y, batch_size, generator):\n"
+                              "    order = torch.randperm(len(x), generator=generator)\n"
+                              "    return [(x[order[i:i + batch_size]], y[order[i:i + batch_size]]) "
+                              "for i in range(0, len(x), batch_size)]\n"}[stage]
+    source = f"# lab 00: your answer\n{repair}\ndef diagnose(lab):\n    return {variant.cause!r}, {stage}\n"
+
+    def change(nb):
+        (cell,) = [cell for cell in nb.cells if cell.source.startswith("# lab 00: your answer")]
+        cell.source = source
+    return change, variant.id
+
+
+def test_a_lab_answer_is_rechecked_for_the_folder_s_learner(learner, monkeypatch, tmp_path):
+    from labkit.labs._draw import learner_key
+
+    monkeypatch.setenv("LABKIT_LEARNER", "lab-tester")
+    change, variant = lab_answer_for(learner_key(learner="lab-tester"))
+    edit(learner, change)
+    assert statuses(learner)["00.lab"] == exercise_progress.PASSED
+    # the same notebook handed in to nbgrader by a learner whose variant is another is graded for them
+    other = next(name for name in (f"learner{n}" for n in range(50))
+                 if lab_answer_for(learner_key(learner=name))[1] != variant)
+    submitted = tmp_path / "submitted" / other / "ps1"
+    shutil.copytree(learner, submitted)
+    row = next(row for row in exercise_progress.recheck_folder(submitted).rows if row.exercise == "00.lab")
+    assert row.status == exercise_progress.NOT_YET and "does not fit your run" in row.message
 
 
 def test_a_faked_check_cell_and_stored_pass_count_for_nothing(learner):
@@ -141,7 +181,8 @@ def test_deleted_check_and_text_cells_still_leave_the_answer_graded_and_the_file
         nb.cells = [cell for cell in nb.cells if cell.cell_type == "code" and 'grading.check(' not in cell.source]
     edit(learner, delete)
     before = (learner / NAME).read_bytes()
-    assert statuses(learner) == {"00.1": exercise_progress.PASSED, "00.2": exercise_progress.NOT_YET}
+    assert statuses(learner) == {"00.1": exercise_progress.PASSED, "00.2": exercise_progress.NOT_YET,
+                                 "00.lab": exercise_progress.NOT_YET}
     assert (learner / NAME).read_bytes() == before, "labkit progress wrote into the learner's notebook"
 
 

@@ -11,6 +11,7 @@ another model trained, an error caught and hidden) fail. All in-process: no kern
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import signal
 import subprocess
@@ -882,3 +883,84 @@ def test_the_notebook_check_runs_diagnose_and_raises_only_under_nbgrader(capsys,
     monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
     with pytest.raises(AssertionError, match="diagnose is not attempted yet"):
         labs.check(session, diagnose)
+
+
+# --- the verdict that counts: the answer cell graded in a process of its own (labkit.labs._isolated) ---
+
+def _answer_cell(variant_id: str, extra: str = "") -> str:
+    """Lab 00's answer cell as a learner writes it: ``variant_id``'s diagnosis and its second repair (as text)."""
+    lab = lab_of("00")
+    repair = REPAIRS[variant_id][1]
+    stage = repair.split("def ", 1)[1].split("(", 1)[0]
+    return (f"# lab 00: your answer\n{extra}{repair}\n"
+            f"def diagnose(lab):\n    return {lab.variant(variant_id).cause!r}, {stage}\n")
+
+
+def _learner_with(variant_id: str, other_than: str = "") -> str:
+    """A learner key whose draw of lab 00 is ``variant_id`` (the draw is a hash: found, not chosen)."""
+    lab = lab_of("00")
+    return next(key for n in range(100) if (key := learner_key(learner=f"learner{n}")) != other_than
+                and lab.variants[draw("00", key, len(lab.variants))[0]].id == variant_id)
+
+
+def test_the_isolated_grader_redraws_the_variant_from_the_learner_and_judges_their_own_repair():
+    from labkit.labs._isolated import grade_lab_cell
+
+    first, second = _learner_with("00.a"), _learner_with("00.c")
+    assert grade_lab_cell("00", _answer_cell("00.a"), "diagnose", first).passed
+    assert grade_lab_cell("00", _answer_cell("00.c"), "diagnose", second).passed
+    other = grade_lab_cell("00", _answer_cell("00.a"), "diagnose", second)
+    assert not other.passed and "does not fit your run" in other.message and other.exercise == "00.lab"
+
+
+# Lines an answer cell adds to pass without the repair: each is undone before it can change the verdict.
+PATCH_LABKIT = ("import labkit.labs as _labs, labkit.labs._check as _check\n"
+                "_labs.check = lambda *a, **k: print('✓ Lab 00 passed')\n"
+                "_check.check_lab = lambda *a, **k: None\n"
+                "import os\nos.environ.pop('NBGRADER_EXECUTION', None)\n")
+FORGE_THE_LAB = ("\ndef forged(lab):\n    for variant in lab.lab.variants:\n"
+                 "        object.__setattr__(variant, 'cause', lab.causes[3])\n        variant.defect.clear()\n"
+                 "    object.__setattr__(lab.lab, 'recovery', lambda repaired, twin: (True, 'forged'))\n"
+                 "    torch.allclose = lambda *a, **k: True\n"
+                 "    return lab.causes[3], {'loss_of': lambda p, t: F.mse_loss(p, t)}\n")
+
+
+@pytest.mark.parametrize("attack", ["patch labkit and the environment", "forge the lab's definition", "exit",
+                                    "ignore the alarm and loop"])
+def test_an_answer_cell_that_attacks_the_grader_fails_only_its_own_lab(attack, monkeypatch):
+    from labkit.labs import _isolated
+
+    key = _learner_with("00.b")
+    cell = {"patch labkit and the environment": _answer_cell("00.a", PATCH_LABKIT),
+            "forge the lab's definition": _answer_cell("00.a") + FORGE_THE_LAB,
+            "exit": "# lab 00: your answer\ndef diagnose(lab):\n    import os\n    os._exit(0)\n",
+            "ignore the alarm and loop": "# lab 00: your answer\nimport signal\n"
+                                         "signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+                                         "def diagnose(lab):\n    while True:\n        pass\n"}[attack]
+    function = "forged" if attack == "forge the lab's definition" else "diagnose"
+    monkeypatch.setattr(_isolated, "LAB_TIME_LIMIT_S", 2.0)  # the loop is stopped in seconds, not minutes
+    result = _isolated.grade_lab_cell("00", cell, function, key)
+    assert not result.passed, result.message
+    expected = {"patch labkit and the environment": "does not fit your run",
+                "forge the lab's definition": "does not fit your run",
+                "exit": "it ended the grading process (exit code 0)",
+                "ignore the alarm and loop": "the grader stopped it"}[attack]
+    assert expected in result.message
+
+
+def test_a_check_in_the_kernel_grades_the_answer_cell_in_isolation(capsys, monkeypatch):
+    from labkit import labs
+
+    session = labs.start("00", learner="lab-learner")
+    capsys.readouterr()
+    cell = _answer_cell(session._variant, "import labkit.labs._check as _c\n_c.check_lab = None\n")
+    cell_file = "/tmp/ipykernel_4242/7654321.py"  # how IPython names a cell's code, which linecache holds
+    monkeypatch.setitem(linecache.cache, cell_file, (len(cell), None, cell.splitlines(True), cell_file))
+    namespace = dict(grading.EXERCISE_NAMESPACE)
+    exec(compile(cell.replace("_c.check_lab = None", "pass"), cell_file, "exec"), namespace)  # noqa: S102
+    labs.check(session, namespace["diagnose"])
+    assert "✓ Lab 00 passed" in capsys.readouterr().out  # the cell's source, run away from this process, passed
+    stub = "# lab 00: your answer\ndef diagnose(lab):\n    raise NotImplementedError('Lab 00')\n"
+    monkeypatch.setitem(linecache.cache, cell_file, (len(stub), None, stub.splitlines(True), cell_file))
+    labs.check(session, namespace["diagnose"])  # the function still passes here; the cell it came from does not
+    assert "diagnose is not attempted yet" in capsys.readouterr().out

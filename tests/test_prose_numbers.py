@@ -1,8 +1,8 @@
 """Prose that quotes the stored run's numbers quotes them right.
 
 A few markdown cells say what a measurement printed ("in the stored run ..."), because the point
-of the paragraph is the number: 05's seed-by-seed gain of eval mode, 08's order of the early
-signals, 09's gradient growth along depth. Each test reads the stored notebook, takes the numbers
+of the paragraph is the number: 05's seed-by-seed gain of eval mode, 09's gradient growth along
+depth (08's order of the early signals is stated without its steps, which the table prints). Each test reads the stored notebook, takes the numbers
 from the output of the cell that printed them, and checks that the paragraph quotes those numbers;
 a re-run that moves them fails here until the prose is brought in line.
 """
@@ -49,20 +49,18 @@ def test_05_prose_quotes_the_gain_of_eval_mode_seed_by_seed():
     assert min(float(g) for g in per_seed) == float(per_seed[0]), "the prose says seed 0 gains least"
 
 
-def test_08_prose_quotes_which_signal_fires_first_and_by_how_much():
+def test_08_prose_leaves_the_steps_to_the_table_and_says_what_it_shows():
+    # the steps move with the parameters and the device, so the paragraph names none; what it says of
+    # them must hold in the stored run, which nbval proves fresh
     printed = output_of("08_gradient_health", "first_step_over(run_ratio, TOO_FAST)")
     steps = {name: int(step) for step, name in re.findall(r"step +(\d+): ([^,\n]+)", printed)}
     ratio = next(s for n, s in steps.items() if n.startswith("update:data over"))
     plateau = next(s for n, s in steps.items() if n.startswith("update:data past"))
-    warning = steps["monitor's first warning the twin did not share"]
     loss, exploding = steps["loss alarm"], steps["tracer's 'exploding' alert"]
     text = paragraph("08_gradient_health", "**What fires first, and by how much.**")
-    assert f"at step {plateau}: {loss - plateau} steps of warning before the loss alarm at step {loss}" in text
-    assert f"the monitor's first warning comes at step {warning}" in text
-    assert f"later, at step {ratio}, {loss - ratio} steps before the loss alarm" in text
-    assert f"{exploding - loss} steps *after* the loss alarm" in text
-    assert "the capped twin's ratio never passes 1e-02" in printed, "the prose says the twin never reaches 1e-2"
-    assert plateau < ratio < loss < exploding, "the prose gives this order"
+    assert not re.search(r"\bstep \d+|\d+ steps", text), "the table gives the steps, not the prose"
+    assert "both can show that growth long before the loss does" in text and max(ratio, plateau) < loss
+    assert "after the loss alarm at the defaults" in text and exploding > loss
 
 
 @pytest.mark.parametrize(("design", "said"), [("post-activation", "300x"), ("pre-activation", "100x")])

@@ -8,6 +8,7 @@ where it runs: each tests/test_nbNN_*.py runs its fixed side on the edition
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -338,3 +339,100 @@ def test_edition_has_no_solution_text_and_keeps_the_parameters(editions, path):
 def parameters_cell(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     (cell,) = [cell for cell in nb.cells if "parameters" in cell.metadata.get("tags", [])]
     return cell
+
+
+def _disabled_lab_extensions(monkeypatch, config_path: str | None) -> dict:
+    """What JupyterLab's page config disables, read as `jupyter lab` reads it (every config folder)."""
+    from jupyterlab_server.config import get_static_page_config
+
+    if config_path is None:
+        monkeypatch.delenv("JUPYTER_CONFIG_PATH", raising=False)
+    else:
+        monkeypatch.setenv("JUPYTER_CONFIG_PATH", config_path)
+    return get_static_page_config(level="all").get("disabledExtensions", {})
+
+
+def test_make_lab_student_opens_jupyterlab_without_nbgraders_instructor_tools(monkeypatch):
+    # the dev extras install nbgrader, whose menu, Validate and Create Assignment a lone learner should not meet
+    pytest.importorskip("nbgrader")
+    (line,) = [line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("LEARNER_LAB_CONFIG :=")]
+    config = line.split(":=", 1)[1].strip().replace("$(CURDIR)", str(ROOT))
+    recipe = (ROOT / "Makefile").read_text().split("\nlab-student:", 1)[1].split("\n\n", 1)[0]
+    assert 'JUPYTER_CONFIG_PATH="$(LEARNER_LAB_CONFIG)' in recipe and "jupyter lab student/" in recipe
+    assert not _disabled_lab_extensions(monkeypatch, None).get("@jupyter/nbgrader")  # `make lab`, the instructor's
+    assert _disabled_lab_extensions(monkeypatch, config).get("@jupyter/nbgrader") is True
+
+
+# ---- the labs: graded like exercises, nothing of the variant shown -----------------------------------
+
+
+def test_every_lab_check_cell_is_a_locked_graded_test_in_the_edition(editions):
+    from labkit.labs._isolated import checked_function
+    from labkit.labs._registry import lab_ids, lab_of
+
+    graded = {}
+    for edition in editions.values():
+        for cell in nbformat.read(edition, 4).cells:
+            if cell.cell_type == "code" and checked_function(cell.source):
+                lab_id = edition.name[:2]
+                assert cell.metadata["nbgrader"] == student.lab_check_metadata(lab_id)
+                assert (cell.metadata["deletable"], cell.metadata["editable"]) == (False, False)
+                graded[lab_id] = edition.stem
+    assert graded == {lab_id: lab_of(lab_id).notebook for lab_id in lab_ids()}
+
+
+def revealed_variants(notebooks: list[nbformat.NotebookNode]) -> list[str]:
+    """The variants of every lab that ``notebooks`` name (their IDs quoted, anywhere in the file), or whose
+    defect code they hold: a defect function's name, or its whole definition under any name."""
+    from labkit.labs._registry import lab_ids, lab_of
+
+    text = "\n".join(nbformat.writes(nb) for nb in notebooks)
+    code = "\n".join(line.strip() for nb in notebooks for cell in nb.cells for line in cell.source.splitlines())
+    found = []
+    for lab in map(lab_of, lab_ids()):
+        for variant in lab.variants:
+            named = f'\\"{variant.id}\\"' in text or f"'{variant.id}'" in text
+            names = [defect.__name__ for defect in variant.defect.values() if defect.__name__ != "<lambda>"]
+            if named or any(name in text for name in names) or any(
+                    re.search(_definition(defect), code) for defect in variant.defect.values()):
+                found.append(variant.id)
+    return found
+
+
+def _definition(defect) -> str:
+    """A pattern for ``defect``'s whole definition under any name: its parameters and body, stripped lines."""
+    import inspect
+
+    lines = [line.strip() for line in inspect.getsource(defect).splitlines() if line.strip()]
+    return r"def \w+" + re.escape("\n".join([lines[0].split(defect.__name__, 1)[1], *lines[1:]]))
+
+
+def test_the_edition_holds_no_variant_and_no_defect_code(editions):
+    assert revealed_variants([nbformat.read(path, 4) for path in editions.values()]) == []
+
+
+def test_the_variant_detector_catches_a_defect_pasted_into_a_notebook():
+    import inspect
+
+    from labkit.labs._lab13 import LAB
+
+    (defect,) = LAB.variant("13.c").defect.values()
+    pasted = inspect.getsource(defect).replace(defect.__name__, "keep_losses")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(pasted)])
+    assert revealed_variants([nb]) == ["13.c"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('variant = "13.c"')])
+    assert revealed_variants([nb]) == ["13.c"]
+
+
+LAB_ANSWER = "# lab 00: your answer\ndef diagnose(lab):\n    raise NotImplementedError\n"
+
+
+@pytest.mark.parametrize(("name", "cells", "problem"), [
+    ("01_computation_graph.ipynb", [LAB_ANSWER, "labs.check(lab, diagnose)"], "labkit.labs has no lab 00 for 01"),
+    ("00_start_here.ipynb", ["labs.check(lab, diagnose)"], "no cell above it starts with '# lab 00: your answer'"),
+    ("00_start_here.ipynb", [LAB_ANSWER, "labs.check(lab, my_answer)"], r"defines 'def my_answer\(lab\):'"),
+])
+def test_a_lab_cell_out_of_shape_is_a_clear_error(name, cells, problem):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    with pytest.raises(LabkitError, match=problem):
+        student.with_lab_checks(nb, name)

@@ -2,7 +2,9 @@
 
 `python -m labkit progress [FOLDER]` reads each ``NN_*.ipynb`` in FOLDER (an executed student edition, or
 an nbgrader ``submitted/<learner>/<assignment>`` folder) and grades each exercise cell's source with
-`grading.grade_cell`, in a process of its own, as the check cell and nbgrader's autograde do (so the
+`grading.grade_cell`, and each lab's answer cell with `labkit.labs._isolated.grade_lab_cell` for the
+folder's learner (the student of a ``submitted/<student>/...`` folder, else this account's learner),
+in a process of its own, as the check cell and nbgrader's autograde do (so the
 three agree, and a cell that patches the grader, exits or hangs fails only its own exercise). The
 table lists the exercises of the notebooks in FOLDER. Verdicts are never read from outputs, so a
 hand-made "passed" output or a check cell replaced by a print counts for nothing; only whether a
@@ -28,6 +30,10 @@ from labkit import grading, student
 from labkit.errors import LabkitError
 from labkit.exercises import exercise_order, registry
 from labkit.labs import catalogue as lab_catalogue
+from labkit.labs._check import grade_id
+from labkit.labs._draw import learner_key
+from labkit.labs._isolated import checked_function as checked_lab_function
+from labkit.labs._isolated import grade_lab_cell, lab_of_answer_cell
 from labkit.notebooks import NOTEBOOK_GLOB
 from labkit.records import stored_records
 
@@ -73,6 +79,7 @@ def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
     """The exercises of ``folder``'s notebooks with their standing, each answer graded again in isolation."""
     paths = _learner_notebooks(folder)
     solutions = _solutions(source)
+    key = learner_of_folder(Path(folder))
     best: dict[str, Progress] = {}
     skipped = []
     for path in paths:
@@ -80,13 +87,48 @@ def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
         if answers and all(eid in solutions and _same_code(solutions[eid].solution, text) for eid, text in answers.items()):
             skipped.append(path.name)
             continue
-        for row in _notebook_rows(path, answers, solutions):
+        for row in _notebook_rows(path, answers, solutions) + _lab_rows(path, key):
             if row.exercise not in best or _RANK[row.status] > _RANK[best[row.exercise].status]:
                 best[row.exercise] = row
     numbers = _numbers_of(paths)
     rows = [best.get(eid) or Progress(spec.notebook, eid, spec.title, NOT_RUN, "")
             for eid, spec in registry().items() if spec.notebook[:2] in numbers]
+    rows += [best.get(lab["grade_id"]) or Progress(lab["notebook"], lab["grade_id"], lab["title"], NOT_RUN, "")
+             for lab in _labs() if lab["notebook"][:2] in numbers]
     return Report(RECHECKED, sorted(rows, key=lambda row: exercise_order(row.exercise)), skipped)
+
+
+def learner_of_folder(folder: Path) -> str:
+    """The key a folder's labs are drawn for: the student of nbgrader's ``submitted/<student>/<assignment>``
+    (or ``autograded/...``) folder, as its autograde draws; else this account's learner (`learner_key`)."""
+    resolved = folder.resolve()
+    if resolved.parent.parent.name in ("submitted", "autograded"):
+        return learner_key(learner=resolved.parent.name)
+    return learner_key()
+
+
+def _labs() -> list[dict]:
+    return [{**lab, "grade_id": grade_id(lab["id"]), "title": f"Lab: {lab['title']}"} for lab in lab_catalogue()]
+
+
+def _lab_rows(path: Path, key: str) -> list[Progress]:
+    """The lab of ``path``'s notebook, its answer cell graded again in isolation for ``key``."""
+    labs = [lab for lab in _labs() if lab["notebook"] == path.stem]
+    if not labs:
+        return []
+    (lab,) = labs
+    nb = nbformat.read(path, as_version=4)
+    cells = [cell for cell in nb.cells if cell.cell_type == "code" and lab_of_answer_cell(cell.source) == lab["id"]]
+    if not cells:
+        message = (f"{path.name} has no cell starting '# lab {lab['id']}: your answer' (deleted?); copy it back from "
+                   "a fresh student edition (make student DEST=elsewhere) and answer it again")
+        return [Progress(lab["notebook"], lab["grade_id"], lab["title"], MISSING, message)]
+    function = next((found for cell in nb.cells if cell.cell_type == "code"
+                     and (found := checked_lab_function(cell.source))), "diagnose")
+    result = grade_lab_cell(lab["id"], cells[-1].source, function, key, where=f"{path.name} lab {lab['id']}",
+                            follow_up=False)
+    return [Progress(lab["notebook"], lab["grade_id"], lab["title"], PASSED if result.passed else NOT_YET,
+                     result.message)]
 
 
 def _numbers_of(paths: list[Path]) -> set[str]:

@@ -3,8 +3,9 @@
 Under autograde the learner's answer cell runs in the same kernel before the locked check cell, so
 it can replace `grading.check`, unset ``NBGRADER_EXECUTION`` or patch torch, and the check cell's
 outcome means nothing. `RegradeInIsolation` runs in nbgrader's own process after `Execute`: for
-each locked check cell it grades the notebook's exercise cell with `grading.grade_cell` (a process
-of its own, as ``labkit progress`` does, so the two agree) and replaces the check cell's outputs
+each locked check cell it grades the notebook's exercise cell with `grading.grade_cell`, or for a lab's
+check cell the lab's answer cell with `labkit.labs._isolated.grade_lab_cell` for the student nbgrader
+grades (a process of its own, as ``labkit progress`` does, so the two agree) and replaces the check cell's outputs
 with that verdict: the verdict line, and an AssertionError when it is not a pass, which is how
 nbgrader's `SaveAutoGrades` scores a test cell. `AUTOGRADE_PREPROCESSORS` is nbgrader's default
 list with it inserted; the course's nbgrader_config.py (`labkit.course.layout`) sets it.
@@ -17,6 +18,9 @@ from nbgrader.preprocessors import NbGraderPreprocessor
 
 from labkit import grading, student
 from labkit.course.marks import checked_exercise
+from labkit.labs._draw import learner_key
+from labkit.labs._isolated import checked_function as checked_lab_function
+from labkit.labs._isolated import grade_lab_cell, lab_of_answer_cell
 
 __all__: list[str] = []
 
@@ -35,12 +39,18 @@ AUTOGRADE_PREPROCESSORS = [
 
 
 class RegradeInIsolation(NbGraderPreprocessor):
-    """Replace each labkit check cell's outputs with the verdict of its exercise graded in isolation."""
+    """Replace each labkit check cell's outputs with the verdict of its exercise or lab graded in isolation."""
 
     def preprocess(self, nb, resources):
         answers = {eid: cell.source for cell in nb.cells if (eid := student.exercise_id_of(cell)) is not None}
+        lab_answers = {lab_id: cell.source for cell in nb.cells
+                       if cell.cell_type == "code" and (lab_id := lab_of_answer_cell(cell.source)) is not None}
         name = resources.get("metadata", {}).get("name", "notebook")
         for cell in nb.cells:
+            lab_check = _graded_lab_check(cell, name)
+            if lab_check is not None:
+                cell.outputs = _outputs(self._regrade_lab(*lab_check, lab_answers, name, resources))
+                continue
             graded = _graded_check(cell, name)
             if graded is None:
                 continue
@@ -51,6 +61,26 @@ class RegradeInIsolation(NbGraderPreprocessor):
                           "passed" if result.passed else "not yet")
             cell.outputs = _outputs(result)
         return nb, resources
+
+    def _regrade_lab(self, lab_id: str, function: str, answers: dict, name: str, resources) -> grading.Result:
+        """The lab's answer cell graded for the student nbgrader grades, whose identity draws the variant
+        (not a seed or name the learner's cells chose)."""
+        student_id = resources.get("nbgrader", {}).get("student")
+        key = learner_key(learner=student_id) if student_id else learner_key()
+        result = grade_lab_cell(lab_id, answers.get(lab_id, ""), function, key, where=f"{name} lab {lab_id}",
+                                follow_up=False)
+        self.log.info("labkit regraded lab %s for %s in isolation: %s", lab_id, student_id,
+                      "passed" if result.passed else "not yet")
+        return result
+
+
+def _graded_lab_check(cell, name: str) -> tuple[str, str] | None:
+    """(lab, function) of a locked, graded lab check cell (`student.with_lab_checks`); None for any other cell."""
+    meta = cell.metadata.get("nbgrader", {})
+    if cell.cell_type != "code" or not (meta.get("grade") and meta.get("locked")):
+        return None
+    function = checked_lab_function(cell.source)
+    return (name[:2], function) if function else None
 
 
 def _graded_check(cell, name: str) -> tuple[str, str] | None:

@@ -2,7 +2,7 @@
 
 `python -m labkit course create [NAMES] [--assignment NAME] [--dest course]` checks the named solution
 notebooks (default: all) against the exercise convention and the registry, copies them to
-``DEST/source/ASSIGNMENT/``, writes ``DEST/nbgrader_config.py`` (only when missing: it is the
+``DEST/source/ASSIGNMENT/`` (each lab's check cell made a locked, graded test: `student.with_lab_checks`), writes ``DEST/nbgrader_config.py`` (only when missing: it is the
 instructor's to edit) and ``DEST/kernels/gradientlab/`` (a kernel that runs this Python with this
 labkit), then runs nbgrader's ``generate_assignment``, which writes ``DEST/release/ASSIGNMENT/`` and
 the gradebook. It refuses a folder it did not lay out and an assignment learners have handed in,
@@ -102,7 +102,7 @@ def _checked_notebook(path: Path) -> nbformat.NotebookNode:
     if missing:
         raise LabkitError(f"{path.name} has no cells for exercise {', '.join(missing)}, which labkit.exercises "
                           "registers for it; restore them or drop the check from labkit/exercises/")
-    return nb
+    return student.with_lab_checks(nb, path.name)
 
 
 def _refuse_to_overwrite(root: Path, assignment: str) -> None:

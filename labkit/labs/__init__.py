@@ -23,9 +23,10 @@ import os
 from collections.abc import Callable, Mapping
 
 from labkit.errors import LabkitError
-from labkit.grading import GRADE_MIMETYPE, NBGRADER_EXECUTION, Result
+from labkit.grading import EXERCISE_NAMESPACE, GRADE_MIMETYPE, NBGRADER_EXECUTION, Result
 from labkit.labs._check import MAX_ERROR_CHARS, check_lab, grade_id
 from labkit.labs._draw import draw, learner_key
+from labkit.labs._isolated import answer_cell, grade_lab_cell, not_attempted
 from labkit.labs._lab import Run
 from labkit.labs._registry import lab_ids, lab_of
 from labkit.messages import describe_error
@@ -42,6 +43,7 @@ class LabSession:
 
     def __init__(self, lab_id: str, key: str) -> None:
         self.lab = lab_of(lab_id)
+        self._key = key
         index, self.seed = draw(lab_id, key, len(self.lab.variants))
         self._variant = self.lab.variants[index].id
         self.causes = tuple(cause.name for cause in self.lab.causes)
@@ -66,6 +68,8 @@ class LabSession:
         print("Causes you may diagnose:\n" + "\n".join(f"  - {name}" for name in self.causes))
         print("Stages of the training you may repair (write a function with the stage's name):")
         print("\n".join(f"  - {name}: {contract}" for name, contract in self.stages.items()))
+        print("Write diagnose(lab) and your stage function in the lab's answer cell, with every helper they use:"
+              f" the check runs that cell on its own, where only {', '.join(EXERCISE_NAMESPACE)} are defined.")
 
 
 def start(lab_id: str, *, seed: int | None = None, learner: str | None = None) -> LabSession:
@@ -85,21 +89,34 @@ def check(session: LabSession, answer: Callable | str,
     """Check your diagnosis and repair of your run, print the verdict and record it like an exercise's.
 
     ``answer`` is your function ``diagnose(lab)`` returning (diagnosis, repair), or the diagnosis itself
-    with ``repair`` after it. Under nbgrader's autograde a failed check raises `AssertionError`, as a
-    failed exercise does.
+    with ``repair`` after it. When ``diagnose`` was defined in the lab's answer cell (``# lab NN: your
+    answer``), that cell's source is graded in a process of its own (`labkit.labs._isolated`), as
+    nbgrader's autograde and ``labkit progress`` grade it; otherwise the check runs here. Under nbgrader's
+    autograde a failed check raises `AssertionError`, as a failed exercise does.
     """
     if not isinstance(session, LabSession):
         raise LabkitError(f"labs.check needs the session labs.start returned, got a {type(session).__name__}: "
                           'run lab = labs.start("NN") first and pass lab')
     lab_id = session.lab.id
+    try_number = _FAILED_TRIES.get(lab_id, 0) + 1
+    cell = answer_cell(lab_id, answer) if repair is None and callable(answer) else None
+    if cell is not None:
+        result = grade_lab_cell(lab_id, cell, answer.__name__, session._key, try_number=try_number)
+        if not result.passed and not result.message.endswith(not_attempted(answer.__name__) + "."):
+            _FAILED_TRIES[lab_id] = try_number
+        _show(result)
+        return
     diagnosis, repair, problem = _submission(session, answer, repair)
     if problem is not None:
         result = Result(grade_id(lab_id), session.lab.notebook, False, f"✗ Lab {lab_id} not yet: {problem}.")
     else:
-        result = check_lab(lab_id, session._variant, diagnosis, repair, seed=session.seed,
-                           try_number=_FAILED_TRIES.get(lab_id, 0) + 1)
+        result = check_lab(lab_id, session._variant, diagnosis, repair, seed=session.seed, try_number=try_number)
         if not result.passed:
-            _FAILED_TRIES[lab_id] = _FAILED_TRIES.get(lab_id, 0) + 1
+            _FAILED_TRIES[lab_id] = try_number
+    _show(result)
+
+
+def _show(result: Result) -> None:
     show_record(result.message, GRADE_MIMETYPE, {"exercise": result.exercise, "notebook": result.notebook,
                                                  "passed": result.passed, "message": result.message})
     if not result.passed and os.environ.get(NBGRADER_EXECUTION):
@@ -113,8 +130,7 @@ def _submission(session: LabSession, answer, repair) -> tuple[str, object, str |
     try:
         given = answer(session)
     except NotImplementedError:
-        return "", None, (f"{getattr(answer, '__name__', 'your function')} is not attempted yet (it still raises "
-                          "NotImplementedError): replace its '# YOUR CODE HERE' and 'raise' lines with your answer")
+        return "", None, not_attempted(getattr(answer, "__name__", "your function"))
     except KeyboardInterrupt:
         raise
     except Exception as error:

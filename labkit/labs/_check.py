@@ -47,8 +47,11 @@ def reference_runs(lab_id: str, variant_id: str, seed: int) -> tuple[Run, Run]:
 
 
 def check_lab(lab_id: str, variant_id: str, diagnosis: str, repair: object, *, seed: int,
-              try_number: int = 1) -> Result:
-    """The verdict on a learner's diagnosis and repair of ``variant_id`` of lab ``lab_id`` at ``seed``."""
+              try_number: int = 1, follow_up: bool = True) -> Result:
+    """The verdict on a learner's diagnosis and repair of ``variant_id`` of lab ``lab_id`` at ``seed``.
+
+    ``follow_up=False`` (a regrade, which has no next try) leaves out the promise that the next hint says more.
+    """
     lab = lab_of(lab_id)
     variant = lab.variant(variant_id)
     defective, twin = reference_runs(lab_id, variant_id, seed)
@@ -56,7 +59,7 @@ def check_lab(lab_id: str, variant_id: str, diagnosis: str, repair: object, *, s
     def not_yet(problem: str) -> Result:
         shown, more = hint_for(lab.hints, try_number)
         return Result(grade_id(lab.id), lab.notebook, False,
-                      f"✗ Lab {lab.id} not yet: {problem}. Hint: {shown.rstrip('.')}.{more}")
+                      f"✗ Lab {lab.id} not yet: {problem}. Hint: {shown.rstrip('.')}.{more if follow_up else ''}")
 
     names = [cause.name for cause in lab.causes]
     if diagnosis not in names:

@@ -205,13 +205,20 @@ plt.show()
 print(f"largest weight.grad norm: {max(weight_norms):.3g} at step {weight_norms.index(max(weight_norms))}")
 
 # %% [markdown]
-# **The fix, proven.** The same loop with `optimizer.zero_grad()` at the top of each step:
+# **The fix, proven.** The same loop with `optimizer.zero_grad()` at the top of each step, its
+# weight gradient drawn beside the reproduction's:
 
 # %%
 fixed_losses, fixed_history = train(forget_zero_grad=False, label="fixed loop")
 fixed_norms = [r["norm"] for r in fixed_history if r["param"] == "weight"]
 print(f"fixed: loss {fixed_losses[0]:.3g} -> {fixed_losses[-1]:.3g}; weight.grad norm {fixed_norms[0]:.3g} -> {fixed_norms[-1]:.3g}")
 print("the fixed loop ends with a lower loss:", fixed_losses[-1] < losses[-1] or not bug)
+figure, axis = plt.subplots(figsize=(7, 3.5))
+axis.plot(weight_norms, label=f"the reproduction (bug={bug})")
+axis.plot(fixed_norms, linestyle="--", label="fixed loop (zero_grad every step)")
+axis.set(yscale="log", xlabel="step", ylabel="weight.grad norm", title="the gradient the optimizer applied, side by side")
+axis.legend()
+plt.show()
 
 
 # %% [markdown]

@@ -633,8 +633,8 @@ else:
 # %% [markdown]
 # ## Summary
 # - torch's relu (every built-in form) uses slope 0 at exactly 0, compiled or not; `maximum` and
-#   `(x + |x|)/2` use 0.5, and so does a central finite difference; `clamp`'s slope there changed
-#   between torch releases (1 under 2.13, 0 under 2.15) (H4).
+#   `(x + |x|)/2` use 0.5, and so does a central finite difference; `clamp`'s slope there is a
+#   release's choice, not relu's: this run printed the installed torch's above (H4).
 # - Compiled gradients differ from eager ones by float32 rounding and stay as close to a float64
 #   reference as eager does, over hundreds of steps; no loss rise, no shrunken head gradient (H1).
 # - torch has no `_compiled` switch. `torch.compiler.disable` on a module's `forward` keeps it

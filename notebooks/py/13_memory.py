@@ -213,7 +213,9 @@ for name in models:
 # And the four parts are not the whole step. `memory.estimate_step_peak` runs two AdamW steps on
 # fake tensors and reports the peak of the second, with what was alive at that moment; here for
 # the CNN at the largest batch, next to the sum of the four parts. Tensors only, for now
-# (`kernel_workspace="ignore"`); the kernels' own memory comes next.
+# (`kernel_workspace="ignore"`); the kernels' own memory comes next. The two bars need not split the
+# same way: the sum counts every activation the forward pass saves, the peak only those still alive
+# at its moment, beside the temporaries of that moment.
 
 # %%
 big_batch = max(k1_batches)
@@ -224,6 +226,12 @@ print(cnn_peak)
 peak_over_sum = int(cnn_peak) / int(cnn_sum)
 print(f"estimated step peak / sum of the four parts: {peak_over_sum:.2f}; temporaries at the peak: "
       f"{int(cnn_peak['temporaries']) / 2**20:.1f} MiB")
+summed_activations, peak_activations = int(dict(cnn_sum.rows)["activations"]), int(cnn_peak["activations"])
+print(f"activations: {summed_activations / 2**20:.1f} MiB saved by the forward pass (the sum), "
+      f"{peak_activations / 2**20:.1f} MiB alive at the peak"
+      + (": the peak is not at the end of forward, when every saved activation was alive, but later, once "
+         "backward had freed some of them (the timeline below shows when)" if peak_activations < summed_activations
+         else ""))
 figure, ax = plt.subplots(figsize=(6.5, 4.2), layout="constrained")
 memory.plot_reports(cnn_sum, cnn_peak, ax=ax)
 ax.set_title(f"small CNN, batch {big_batch}, AdamW")

@@ -178,8 +178,9 @@ def test_progress_grades_every_exercise_after_a_cell_that_patches_the_grader_or_
     set_cell(learner, "00.2", answer_cell("00.2"))
     report = exercise_progress.recheck_folder(learner)
     statuses = {row.exercise: row.status for row in report.rows}
-    assert statuses == {"00.1": "not yet", "00.2": "passed", "02.1": "not yet", "02.2": "not yet"}
-    assert "Total: 1/4 exercises passed (3 not yet, 0 not run)" in exercise_progress.progress_table(report.rows)
+    assert statuses == {"00.1": "not yet", "00.2": "passed", "00.lab": "not yet", "02.1": "not yet", "02.2": "not yet",
+                        "02.lab": "not yet"}
+    assert "Total: 1/6 exercises passed (5 not yet, 0 not run)" in exercise_progress.progress_table(report.rows)
 
 
 @pytest.mark.trial("PG24")
