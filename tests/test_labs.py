@@ -964,3 +964,21 @@ def test_a_check_in_the_kernel_grades_the_answer_cell_in_isolation(capsys, monke
     monkeypatch.setitem(linecache.cache, cell_file, (len(stub), None, stub.splitlines(True), cell_file))
     labs.check(session, namespace["diagnose"])  # the function still passes here; the cell it came from does not
     assert "diagnose is not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("lab_id", ["14", "15"])
+def test_the_isolated_grader_lets_a_lab_start_its_own_workers_and_nothing_else(lab_id):
+    from labkit.labs._isolated import grade_lab_cell
+
+    lab, key = lab_of(lab_id), learner_key(learner="learner0")
+    variant = lab.variants[draw(lab_id, key, len(lab.variants))[0]]
+    stage = next(iter(variant.defect))
+
+    def cell(repair: str) -> str:
+        return f"# lab {lab_id}: your answer\n{repair}\ndef diagnose(lab):\n    return {variant.cause!r}, {stage}\n"
+
+    assert grade_lab_cell(lab_id, cell(REPAIRS[variant.id][1]), "diagnose", key).passed
+    # the stage, run in a worker or rank the lab forked, may not signal a process the lab did not start
+    signalling = REPAIRS[variant.id][1].replace("):\n", "):\n    import os\n    os.kill(os.getppid(), 0)\n", 1)
+    result = grade_lab_cell(lab_id, cell(signalling), "diagnose", key)
+    assert not result.passed and "PermissionError" in result.message, result.message  # the audit hook's refusal

@@ -22,6 +22,9 @@ from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
 
+# What the isolated grader (labkit.labs._isolated) lets this lab do: fork its DataLoader workers and stop them.
+PROCESS_EVENTS = ("os.fork", "os.kill")
+
 FEATURES, HIDDEN, CLASSES, ROWS, HELD_OUT = 12, 32, 4, 256, 1024
 NOISE, BATCH, WORKERS, EPOCHS, SAMPLES, LR = 0.3, 16, 2, 2, 256, 0.5
 WAIT_S = 20  # a worker that hands over no batch for this long fails the run (DataLoader's timeout)
@@ -105,9 +108,14 @@ def _start_worker(seed_stage, worker_id) -> None:
 
 
 def _collate_in_worker(collate_stage, samples):
-    """The collate stage's batch, with the worker that made it and the torch threads it ran on."""
+    """The collate stage's batch, with the worker that made it and the torch threads it ran on.
+
+    The batch crosses to the training process as NumPy arrays (pickled bytes), not as tensors in shared
+    memory: those pass file descriptors over a socket, which the isolated grader does not allow.
+    """
     info = get_worker_info()
-    return collate_stage(samples), -1 if info is None else info.id, torch.get_num_threads()
+    batch = tuple(torch.as_tensor(part).detach().numpy() for part in collate_stage(samples))
+    return batch, -1 if info is None else info.id, torch.get_num_threads()
 
 
 def _model() -> nn.Module:
@@ -138,7 +146,8 @@ def train(stages, seed: int) -> Run:
         batches = iter(loader)
         epoch = []
         try:
-            for (indices, inputs, labels), worker, worker_threads in batches:
+            for arrays, worker, worker_threads in batches:
+                indices, inputs, labels = (torch.from_numpy(array) for array in arrays)
                 threads.add(worker_threads)
                 epoch.append((indices, inputs, labels, worker))
                 loss = F.cross_entropy(model(inputs), labels)

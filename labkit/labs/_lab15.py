@@ -24,6 +24,9 @@ from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
 
+# What the isolated grader (labkit.labs._isolated) lets this lab do: fork its gloo ranks and stop them.
+PROCESS_EVENTS = ("os.fork", "os.kill")
+
 FEATURES, HIDDEN, CLASSES, ROWS, HELD_OUT = 10, 24, 3, 384, 1024
 WORLD_SIZE, PER_RANK_BATCH, EPOCHS, LR = 2, 16, 2, 0.2
 STEPS = EPOCHS * ROWS // (WORLD_SIZE * PER_RANK_BATCH)
