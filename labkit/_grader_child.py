@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import multiprocessing
 import os
 import re
 import resource
@@ -71,7 +72,9 @@ def main() -> None:
     _limit_resources(2 * request["time_limit_s"] + time.process_time())
     results.write("ready\n")
     results.flush()
-    sys.addaudithook(_audit_hook(os.path.realpath(request["scratch"]), request["forbidden"]))
+    # a lab whose training runs in worker processes (DataLoader workers, gloo ranks) may fork and stop its own
+    allowed = _isolated.process_events(request["lab"]) if "lab" in request else ()
+    sys.addaudithook(_audit_hook(os.path.realpath(request["scratch"]), request["forbidden"], allowed))
     if "lab" in request:
         verdict = _verdict(_isolated.judge(request, prepared, namespaces, _time_limit))
     else:
@@ -140,8 +143,10 @@ def _limit_resources(time_limit_s: float) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _audit_hook(scratch: str, forbidden: list[str]):
+def _audit_hook(scratch: str, forbidden: list[str], allowed: tuple[str, ...] = ()):
     def refuse(event: str, args: tuple) -> None:
+        if event in allowed and (event != "os.kill" or _own_child(args[0])):
+            return  # the forked processes inherit this hook, the limits and the session the grader ends
         if event.startswith(_REFUSED_EVENTS):
             raise PermissionError(f"the grader does not allow {event} in an answer")
         if event == "open" and isinstance(args[0], str | bytes):
@@ -150,6 +155,11 @@ def _audit_hook(scratch: str, forbidden: list[str]):
             _check_inside(os.fsdecode(args[0]), scratch, event)
 
     return refuse
+
+
+def _own_child(pid) -> bool:
+    """Whether ``pid`` is a process this one started with multiprocessing (a worker or rank it may stop)."""
+    return pid in {child.pid for child in multiprocessing.active_children()}
 
 
 def _check_open(path: str, mode: str | None, flags: int, scratch: str, forbidden: list[str]) -> None:

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import json
 import linecache
+import os
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import get_worker_info
 
 from labkit import grading
 from labkit.labs import (
@@ -36,6 +42,8 @@ from labkit.labs import (
     _lab11,
     _lab12,
     _lab13,
+    _lab14,
+    _lab15,
     _lab16,
     catalogue,
 )
@@ -149,6 +157,26 @@ REPAIRS = {
                           "    grads = [p.grad for group in optimizer.param_groups for p in group['params']]\n"
                           "    if all(torch.isfinite(g).all() for g in grads):\n        optimizer.step()\n"
                           "    scaler.update()\n"),
+    "14.a": (_lab14.seed_worker, "def seed_worker(dataset, worker_seed):\n"
+                                 "    dataset.generator = torch.Generator().manual_seed(worker_seed + 1)\n"),
+    "14.b": (_lab14.worker_share, "def worker_share(samples, worker_id, num_workers):\n"
+                                  "    return len(range(worker_id, samples, num_workers))\n"),
+    "14.c": (_lab14.draw_sample, "def draw_sample(x, y, generator):\n"
+                                 "    noise = 0.3 * torch.randn(x.shape[1], generator=generator)\n"
+                                 "    index = torch.randint(0, len(x), (1,), generator=generator).item()\n"
+                                 "    return index, x[index] + noise, y[index]\n"),
+    "14.d": (_lab14.collate, "def collate(samples):\n    samples = sorted(samples, key=lambda s: float(s[1].norm()))\n"
+                             "    return (torch.tensor([s[0] for s in samples]), torch.stack([s[1] for s in samples]),\n"
+                             "            torch.tensor([int(s[2]) for s in samples]))\n"),
+    "15.a": (_lab15.rank_rows, "def rank_rows(rows, rank, world_size, epoch, seed):\n"
+                               "    sampler = torch.utils.data.DistributedSampler(range(rows), num_replicas=world_size,\n"
+                               "                                                  rank=rank, seed=seed)\n"
+                               "    sampler.set_epoch(epoch)\n    return torch.tensor(list(sampler))\n"),
+    "15.b": (_lab15.forward_backward, "def forward_backward(ddp, inputs, targets):\n"
+                                      "    loss = F.cross_entropy(ddp(inputs), targets)\n"
+                                      "    torch.autograd.backward(loss)\n    return loss\n"),
+    "15.c": (_lab15.wrap, "def wrap(model):\n"
+                          "    return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)\n"),
     "16.a": (_lab16.block_forward, "def block_forward(block, h):\n"
                                    "    return torch.utils.checkpoint.checkpoint(block.forward, h, use_reentrant=False)\n"),
     "16.b": (_lab16.evaluate, "def evaluate(model, inputs, targets):\n    with torch.inference_mode():\n"
@@ -688,6 +716,61 @@ def _dodges_16():
             "block_forward": [(block_skipped, "does not recover"), (block_hiding_error, "does not recover")]}
 
 
+def _dodges_14():
+    def collate_zero_inputs(samples):  # nothing left to learn from: as a learning rate of zero
+        indices, inputs, labels = _lab14.collate(samples)
+        return indices, torch.zeros_like(inputs), labels
+
+    def worker_share_skipping(samples, worker_id, num_workers):  # worker 1's batches (and steps) skipped
+        return 0 if worker_id else _lab14.worker_share(samples, worker_id, num_workers)
+
+    def draw_sample_other_task(x, y, generator):  # another task trained: labels from another rule
+        index, noisy, _ = _lab14.draw_sample(x, y, generator)
+        return index, noisy, noisy[:_lab14.CLASSES].argmax()
+
+    def collate_hiding_error(samples):
+        try:
+            return _lab14.collate([sample[:2] for sample in samples])
+        except ValueError:
+            return (torch.arange(len(samples)), torch.zeros(len(samples), _lab14.FEATURES),
+                    torch.zeros(len(samples), dtype=torch.long))
+
+    return {"collate": [(collate_zero_inputs, "does not recover"), (collate_hiding_error, "does not recover")],
+            "worker_share": [(worker_share_skipping, "does not recover")],
+            "draw_sample": [(draw_sample_other_task, "does not recover")]}
+
+
+def _dodges_15():
+    twin = _twin_state("15")
+
+    def forward_backward_zero_gradient(ddp, inputs, targets):  # as a learning rate of zero
+        loss = F.cross_entropy(ddp(inputs), targets)
+        (loss * 0).backward()
+        return loss
+
+    def forward_backward_skipping_backward(ddp, inputs, targets):
+        return F.cross_entropy(ddp(inputs), targets)
+
+    def wrap_writing_twin(model):
+        model.load_state_dict(twin)
+        return _lab15.wrap(model)
+
+    def wrap_other_model(model):
+        return _lab15.wrap(nn.Linear(_lab15.FEATURES, _lab15.CLASSES))
+
+    def forward_backward_hiding_error(ddp, inputs, targets):
+        try:
+            return _lab15.forward_backward(ddp, inputs[:, :3], targets)
+        except RuntimeError:
+            return F.cross_entropy(ddp(inputs), targets).detach()
+
+    return {"forward_backward": [(forward_backward_zero_gradient, "does not recover"),
+                                 (forward_backward_skipping_backward, "does not recover"),
+                                 (forward_backward_hiding_error, "does not recover")],
+            "wrap": [(wrap_writing_twin, "weights changed outside optimizer.step()"),
+                     (wrap_other_model, "does not recover")]}
+
+
 DODGES = {lab_id: globals()[f"_dodges_{lab_id}"] for lab_id in lab_ids()}  # every lab has its _dodges_NN
 
 
@@ -703,6 +786,74 @@ def test_repairs_that_dodge_the_training_fail(lab_id, variant_id):
             assert not result.passed, dodge.__name__
             assert message in result.message, (dodge.__name__, result.message)
 
+
+# --- labs whose training runs in other processes: a fault stops every process the run started ---
+
+def _live_children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE}
+
+
+def _faults_14(monkeypatch):
+    def draw_sample_dying(x, y, generator):
+        os._exit(3)
+
+    def draw_sample_stuck(x, y, generator):
+        time.sleep(60)
+
+    interrupted = []  # each worker process has its own copy: the first worker interrupts once
+
+    def draw_sample_interrupting(x, y, generator):  # Ctrl-C reaches the process running the loop
+        if not interrupted and get_worker_info().id == 0:
+            interrupted.append(True)
+            os.kill(os.getppid(), signal.SIGINT)
+        return _lab14.draw_sample(x, y, generator)
+
+    monkeypatch.setattr(_lab14, "WAIT_S", 1)
+    return [({"draw_sample": draw_sample_dying}, "exited unexpectedly"),
+            ({"draw_sample": draw_sample_stuck}, "DataLoader timed out after 1 seconds"),
+            ({"draw_sample": draw_sample_interrupting}, KeyboardInterrupt)]
+
+
+def _faults_15(monkeypatch):
+    def forward_backward_dying(ddp, inputs, targets):
+        if dist.get_rank() == 1:
+            os._exit(3)
+        return _lab15.forward_backward(ddp, inputs, targets)
+
+    def forward_backward_stuck(ddp, inputs, targets):
+        if dist.get_rank() == 1:
+            time.sleep(60)
+        return _lab15.forward_backward(ddp, inputs, targets)
+
+    interrupted = []  # each rank process has its own copy: rank 1 interrupts once
+
+    def forward_backward_interrupting(ddp, inputs, targets):  # Ctrl-C reaches the process running run_ranks
+        if not interrupted and dist.get_rank() == 1:
+            interrupted.append(True)
+            os.kill(os.getppid(), signal.SIGINT)
+        return _lab15.forward_backward(ddp, inputs, targets)
+
+    monkeypatch.setattr(_lab15, "TIMEOUT_S", 2.0)
+    return [({"forward_backward": forward_backward_dying}, "rank 1 died: exited with code 3"),
+            ({"forward_backward": forward_backward_stuck}, "rank 1 did not finish within 2 s"),
+            ({"forward_backward": forward_backward_interrupting}, KeyboardInterrupt)]
+
+
+@pytest.mark.parametrize(("lab_id", "variant_id"), [("14", "14.c"), ("15", "15.b")])
+def test_a_dead_stuck_or_interrupted_worker_stops_every_process_the_run_started(monkeypatch, lab_id, variant_id):
+    _, variant = _variant(variant_id)
+    reference_runs(lab_id, variant_id, 0)  # computed before the timeout is shortened
+    before = _live_children()
+    for repair, outcome in {"14": _faults_14, "15": _faults_15}[lab_id](monkeypatch):
+        if outcome is KeyboardInterrupt:
+            with pytest.raises(KeyboardInterrupt):
+                check_lab(lab_id, variant_id, variant.cause, repair, seed=0)
+        else:
+            result = check_lab(lab_id, variant_id, variant.cause, repair, seed=0)
+            assert not result.passed and "the run with your repair raised" in result.message, result.message
+            assert outcome in result.message, (repair, result.message)
+        assert _live_children() <= before, repair
 
 # --- the submission's form, and the hints ---
 
@@ -903,3 +1054,21 @@ def test_a_check_in_the_kernel_grades_the_answer_cell_in_isolation(capsys, monke
     monkeypatch.setitem(linecache.cache, cell_file, (len(stub), None, stub.splitlines(True), cell_file))
     labs.check(session, namespace["diagnose"])  # the function still passes here; the cell it came from does not
     assert "diagnose is not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("lab_id", ["14", "15"])
+def test_the_isolated_grader_lets_a_lab_start_its_own_workers_and_nothing_else(lab_id):
+    from labkit.labs._isolated import grade_lab_cell
+
+    lab, key = lab_of(lab_id), learner_key(learner="learner0")
+    variant = lab.variants[draw(lab_id, key, len(lab.variants))[0]]
+    stage = next(iter(variant.defect))
+
+    def cell(repair: str) -> str:
+        return f"# lab {lab_id}: your answer\n{repair}\ndef diagnose(lab):\n    return {variant.cause!r}, {stage}\n"
+
+    assert grade_lab_cell(lab_id, cell(REPAIRS[variant.id][1]), "diagnose", key).passed
+    # the stage, run in a worker or rank the lab forked, may not signal a process the lab did not start
+    signalling = REPAIRS[variant.id][1].replace("):\n", "):\n    import os\n    os.kill(os.getppid(), 0)\n", 1)
+    result = grade_lab_cell(lab_id, cell(signalling), "diagnose", key)
+    assert not result.passed and "PermissionError" in result.message, result.message  # the audit hook's refusal

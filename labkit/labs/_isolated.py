@@ -20,6 +20,7 @@ written against the grading protocol itself.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import linecache
 import re
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from labkit.grading import EXERCISE_NAMESPACE, Result
 from labkit.labs._check import check_lab, grade_id, reference_runs, repaired_stages
 from labkit.labs._draw import draw
-from labkit.labs._registry import lab_of
+from labkit.labs._registry import LAB_MODULES, lab_of
 
 __all__: list[str] = []
 
@@ -40,6 +41,13 @@ CHECK_CALL = re.compile(r"""^labs\.check\(\s*lab\s*,\s*([A-Za-z_]\w*)\s*\)\s*$""
 # CPU seconds for a lab's whole check in the grading process: the learner's run, the two reference runs
 # and the repaired one (each well under a second for the labs of today, 15 s the most a lab may take).
 LAB_TIME_LIMIT_S = 30.0
+
+
+def process_events(lab_id: str) -> tuple[str, ...]:
+    """The audited events the grading process lets lab ``lab_id`` raise: a lab whose training runs in worker
+    processes declares ``PROCESS_EVENTS`` (forking them, stopping its own children); the others none."""
+    lab_of(lab_id)  # a LabkitError for an unknown lab
+    return tuple(getattr(importlib.import_module(LAB_MODULES[lab_id]), "PROCESS_EVENTS", ()))
 
 
 def lab_of_answer_cell(source: str) -> str | None:

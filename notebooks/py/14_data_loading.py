@@ -712,6 +712,37 @@ grading.check("14.2", worker_items)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 14: an augmented stream loaded by two DataLoader workers
+# A new run: a small classifier trains for two epochs on samples that two DataLoader workers draw
+# from a stream (random rows of a small training set, with random noise added, drawn with a
+# generator the dataset owns). One thing in how the workers draw or hand over the samples is wrong,
+# drawn for you from this notebook's family. `labs.start` prints what you would see (the loss, the
+# batches per epoch, the accuracy), the causes you may choose from (decoys included) and the stages
+# you may rewrite; investigate with the run's objects (`lab.batches`: each step's indices, inputs,
+# labels and the worker that made it; `lab.x`, `lab.y`, `lab.losses`), plain PyTorch and a
+# `DataLoader` of your own, and `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis
+# and the stage function you rewrote (lab 00 shows the format). The check reruns the training with
+# your stage and compares what the workers handed over and the held-out loss with the same training
+# without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("14")
+
+
+# %%
+# lab 14: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 14: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # [15 · Distributed data parallel, measured on two CPU processes](15_distributed.ipynb): workers are
 # processes that share nothing by default; 15 makes processes agree on their gradients.

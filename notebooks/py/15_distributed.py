@@ -1028,6 +1028,37 @@ grading.check("15.2", rank_shards)
 grading.score()
 
 # %% [markdown]
+# ## Debugging lab 15: a BatchNorm classifier trained with DDP on two gloo ranks
+# A new run: a small classifier with a BatchNorm layer trains for two epochs with
+# `DistributedDataParallel` on two gloo ranks started by `run_ranks`, each rank on its own rows.
+# One thing in how the ranks share the data, the gradients or the buffers is wrong, drawn for you
+# from this notebook's family. `labs.start` prints what you would see (each rank's loss and its
+# model's held-out loss), the causes you may choose from (decoys included) and the stages you may
+# rewrite; investigate with the run's objects (`lab.ranks`: each rank's losses, gradient norms per
+# step, rows, and final weights and buffers; `lab.rows`, `lab.losses`, `lab.model`, `lab.x`, `lab.y`),
+# plain PyTorch, `compare_grads` and `run_ranks`, and `lab.rerun(stage=f)`. Then write
+# `diagnose(lab)`: your diagnosis and the stage function you rewrote (lab 00 shows the format). The
+# check reruns the training with your stage and compares the rows the ranks trained on, how far the
+# ranks' models agree and the held-out loss with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("15")
+
+
+# %%
+# lab 15: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 15: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
 # ## What comes next
 # This is the last notebook. To go back to a failure by its symptom, use the troubleshooting index
 # in the repository's README; to practise, run `make student` and redo the exercises of any notebook
