@@ -1133,10 +1133,6 @@ BY_HAND: dict[str, tuple[str, str]] = {
     "WS12": (OK, "argued: the script's WS12 still writes through a learner's symlinked ps1/ (copy_release follows it), "
                  "but on the hub copy_release runs as the learner (workshop.serve refuses root), so the link leads only "
                  "where the learner may write anyway; the review's risk was root writing there"),
-    "X14": (TRACEBACK, "script: `repro 14_data_loading -p num_workers 0` (0 is allowed: 'from 0 to 16') ends rc 1 with "
-                       "'cell 10 raised AssertionError: _SingleProcessDataLoaderIter requires timeout == 0': torch's internal "
-                       "assertion, naming neither num_workers nor what to do (14 gives DataLoader(num_workers=num_workers, "
-                       "timeout=WAIT_S) in its probe and noise cells)"),
     "PG26": (OK, "script, read by hand: 3 notebooks each with an endless 00.1 took 205 s at load 14 (each answer stopped "
                  "at its bound, ~60 s of waiting), rc 0; the report has one row per exercise (the last notebook's), 00.1 "
                  "'not yet: ... did not finish'; the script's first predicate expected a row per notebook"),

@@ -56,7 +56,7 @@ from labkit.probes import UtilisationSampler, measure_time
 # %% tags=["parameters"]
 seed: int = 0  # seed of every random stream, from 0 to 2147483647
 device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N" or "mps"
-num_workers: int = 2  # DataLoader worker processes, from 0 to 16
+num_workers: int = 2  # DataLoader worker processes (none would leave no worker to measure), from 1 to 16
 samples: int = 256  # training digits, from 1 to 1348
 batch_size: int = 64  # samples per batch, from 1 to 1348
 epochs: int = 4  # training epochs, from 1 to 1000
