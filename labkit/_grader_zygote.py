@@ -27,11 +27,11 @@ FORK = b"f"
 
 def serve(channel: socket.socket) -> None:
     import labkit._grader_child as child  # every import a grading process makes before it reads its request
-    from labkit._torch_compat import import_what_the_first_optimizer_step_imports
+    from labkit._torch_compat import import_dynamo_before_forking
     from labkit.exercises import registry
 
     registry()
-    import_what_the_first_optimizer_step_imports()  # every check steps an optimizer: import once, not per answer
+    import_dynamo_before_forking()  # every check steps an optimizer: import once, not per answer
     while select.select([channel], [], [], IDLE_EXIT_S)[0]:
         message, fds, _, _ = socket.recv_fds(channel, len(FORK), 2)
         if message != FORK or len(fds) != 2:

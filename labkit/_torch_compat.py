@@ -22,8 +22,10 @@ import torch
 from labkit.errors import LabkitError
 
 __all__ = [
+    "DYNAMO_RECOMPILE_LOGGER",
     "FAKE_TENSOR_FAILURES",
     "FakeTensorMode",
+    "LOG_RECOMPILES_CALL",
     "SavedTensor",
     "TorchCompatError",
     "TorchDispatchMode",
@@ -37,6 +39,7 @@ __all__ = [
     "foreach_sub",
     "foreach_sub_",
     "graph_task_id",
+    "import_dynamo_before_forking",
     "mem_tracker_class",
     "present",
     "profiler_enabled",
@@ -79,10 +82,17 @@ graph_task_id = private("torch._C", "_current_graph_task_id")
 queue_backward_callback = private("torch.autograd.variable", "Variable")._execution_engine.queue_callback
 
 
-def import_what_the_first_optimizer_step_imports() -> None:
-    """Import torch._dynamo now, as the first call of an optimizer's method otherwise does (torch wraps them
-    in torch._disable_dynamo), so that processes forked from this one do not each import it again."""
+def import_dynamo_before_forking() -> None:
+    """Import torch._dynamo now (about 800 modules), as the first call of an optimizer's method (torch wraps
+    them in torch._disable_dynamo) or DDP's constructor otherwise does, so that processes forked from this
+    one do not each import it again."""
     importlib.import_module("torch._dynamo")
+
+
+# dynamo's logger of recompilations (its "hit config.recompile_limit" warning names the failing guard), and
+# the call that makes dynamo log each recompilation with its reason (torch's logging switch, private)
+DYNAMO_RECOMPILE_LOGGER = "torch._dynamo.convert_frame"
+LOG_RECOMPILES_CALL = "torch._logging.set_logs(recompiles=True)"
 
 
 def tensor_identity(tensor: torch.Tensor) -> int:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit._torch_compat import DYNAMO_RECOMPILE_LOGGER, LOG_RECOMPILES_CALL
 from labkit.labs._common import audited_sgd, curve_text, number, seeded
 from labkit.labs._lab import Cause, Lab, Run, Variant
 
@@ -35,7 +36,6 @@ BREAK_STEP, SENSOR, STUCK_AT, MISSING = 12, 3, 6.0, 0.15
 # retraces twice); its losses and weights may differ from the twin's by AGREEMENT (relative: float32
 # rounding of a graph traced another way; each defect differs by 0.05 or more, or recompiles to the limit).
 EXTRA_GRAPHS, AGREEMENT = 2, 1e-4
-RECOMPILE_LIMIT_LOGGER = "torch._dynamo.convert_frame"
 
 STAGES = {
     "compile_model": "compile_model(model, backend) -> callable: once, before training: model compiled with "
@@ -117,7 +117,7 @@ class _DropRecompileLimitWarning(logging.Filter):
 
 @contextlib.contextmanager
 def _fresh_dynamo():
-    warning_filter, logger = _DropRecompileLimitWarning(), logging.getLogger(RECOMPILE_LIMIT_LOGGER)
+    warning_filter, logger = _DropRecompileLimitWarning(), logging.getLogger(DYNAMO_RECOMPILE_LOGGER)
     torch.compiler.reset()
     logger.addFilter(warning_filter)
     try:
@@ -255,7 +255,7 @@ LAB = Lab(
     show=show,
     hints=(
         "compare the compiled run with the eager one step by step, count what dynamo compiles and why "
-        "(torch._logging.set_logs(recompiles=True), then lab.rerun()), and look at what the model holds "
+        f"({LOG_RECOMPILES_CALL}, then lab.rerun()), and look at what the model holds "
         "(its hooks, model.step, model.keep)",
         "the cause whose measurement is off names the stage to repair; a repaired stage keeps its contract "
         "(lab.stages) and leaves the others as they are",

@@ -8,7 +8,6 @@ notebook: every wait is bounded, and a rank that raises, dies or hangs stops eve
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from labkit._torch_compat import import_dynamo_before_forking
 from labkit.distributed import run_ranks
 from labkit.labs._audit import StepAudit
 from labkit.labs._common import curve_text, number, relative_gap, seeded
@@ -127,9 +127,7 @@ def _train_rank(rank: int, world_size: int, stages, seed: int) -> dict:
 
 
 def train(stages, seed: int) -> Run:
-    # DDP's constructor imports torch._dynamo (about 800 modules): imported once here, the forked ranks inherit it
-    # instead of each importing it again (seconds per rank).
-    importlib.import_module("torch._dynamo")
+    import_dynamo_before_forking()  # DDP's constructor imports it: once here, not once per rank (seconds each)
     ranks = run_ranks(_train_rank, WORLD_SIZE, args=(stages, seed), timeout=TIMEOUT_S)
     x, y, x_test, y_test = dataset(seed)
     model = seeded(_model, seed)
