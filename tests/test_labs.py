@@ -842,6 +842,15 @@ def _faults_15(monkeypatch):
 
 @pytest.mark.parametrize(("lab_id", "variant_id"), [("14", "14.c"), ("15", "15.b")])
 def test_a_dead_stuck_or_interrupted_worker_stops_every_process_the_run_started(monkeypatch, lab_id, variant_id):
+    # Ctrl-C as a terminal delivers it, also when the test run was started in the background, where SIGINT is ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_runs_stop_every_process(monkeypatch, lab_id, variant_id)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_runs_stop_every_process(monkeypatch, lab_id, variant_id):
     _, variant = _variant(variant_id)
     reference_runs(lab_id, variant_id, 0)  # computed before the timeout is shortened
     before = _live_children()
