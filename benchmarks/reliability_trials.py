@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -433,42 +434,23 @@ def pg30(work):
 
 # ---- the nonce: a report the answer writes itself (issue #42 (b)) -------------------------------------
 
-FORGED_FD = """# exercise 00.1
-import os, json
-def one_training_step(model, optimizer, x, y):
-    nonce = b''
-    while not nonce.endswith(b'\\n'):
-        nonce += os.read(0, 1)
-    line = json.dumps({'nonce': nonce.decode().strip(), 'passed': True, 'message': 'forged', 'recipe_shown': False})
-    for fd in range(3, 64):
-        try:
-            os.write(fd, (line + '\\n').encode())
-        except OSError:
-            pass
-    os._exit(0)
-"""
-FORGED_ENCODER = """# exercise 00.1
-import json
-def one_training_step(model, optimizer, x, y):
-    real = json.dumps
-    def forged(value, *args, **kwargs):
-        if isinstance(value, dict) and 'nonce' in value:
-            value = {**value, 'passed': True, 'message': 'forged'}
-        return real(value, *args, **kwargs)
-    json.dumps = forged
-    raise ValueError('wrong')
-"""
+def forged_answer(name: str) -> str:
+    """One of the two forging answer cells, as tests/reliability/test_report_forgery.py holds them (one copy)."""
+    spec = importlib.util.spec_from_file_location("report_forgery", ROOT / "tests/reliability/test_report_forgery.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
 
 
 @trial("NF1")
 def nf1(work):
-    result = grade("00.1", FORGED_FD)
+    result = grade("00.1", forged_answer("THROUGH_THE_PIPES"))
     return (WRONG if result.passed else OK), f"{'passed' if result.passed else 'not yet'}: {result.message[:160]}"
 
 
 @trial("NF2")
 def nf2(work):
-    result = grade("00.1", FORGED_ENCODER)
+    result = grade("00.1", forged_answer("THROUGH_THE_ENCODER"))
     return (WRONG if result.passed else OK), f"{'passed' if result.passed else 'not yet'}: {result.message[:160]}"
 
 

@@ -52,3 +52,15 @@ def grad_norm(params) -> float:
     """The total L2 norm of the gradients the parameters hold (0 when none holds one)."""
     grads = [p.grad for p in params if p.grad is not None]
     return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
+
+
+def one_step_effect(probe: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor],
+                    lr: float) -> tuple[float, float]:
+    """``loss_of(probe)`` before and after one plain SGD step at ``lr`` on that loss: what a decoy "the
+    learning rate is too low" is answered with (one step that lowers the loss says the rate moves it)."""
+    loss = loss_of(probe)
+    grads = torch.autograd.grad(loss, list(probe.parameters()))
+    with torch.no_grad():
+        for parameter, grad in zip(probe.parameters(), grads):
+            parameter -= lr * grad
+        return loss.item(), loss_of(probe).item()

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.labs._common import audited_sgd, curve_text, number, relative_gap, seeded
+from labkit.labs._common import audited_sgd, curve_text, number, one_step_effect, relative_gap, seeded
 from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
@@ -98,7 +98,7 @@ def train(stages, seed: int) -> Run:
     with torch.no_grad():
         errors = ((model(x_test) - y_test) ** 2).mean(0)
     moved = {name: (p.detach() - before).norm().item() for (name, p), before in zip(model.named_parameters(), initial)}
-    trace |= {"moved": moved, "one_step": _one_step_effect(x, y, seed),
+    trace |= {"moved": moved, "one_step": one_step_effect(seeded(TwoTargets, seed), lambda m: loss_of(m(x), y), LR),
               "input_mean": x.mean(0).abs().max().item(), "input_std": (x.std(0) - 1).abs().max().item()}
     return Run({"test_error": errors.sum().item()}, trace,
                {"model": model, "optimizer": optimizer, "x": x, "y": y, "x_test": x_test, "y_test": y_test,
@@ -114,17 +114,6 @@ def _first_step(stages, model, inputs, targets) -> dict[str, object]:
     grads = torch.autograd.grad(loss, [prediction] + [p for _, p in named], allow_unused=True)
     return {"unreached": [name for (name, _), grad in zip(named, grads[1:]) if grad is None],
             "column_norms": [grads[0][:, column].norm().item() for column in range(TARGETS)]}
-
-
-def _one_step_effect(x, y, seed: int) -> tuple[float, float]:
-    """The full training set's loss of the initial model before and after one full-batch SGD step at LR."""
-    probe = seeded(TwoTargets, seed)
-    loss = loss_of(probe(x), y)
-    loss.backward()
-    with torch.no_grad():
-        for p in probe.parameters():
-            p -= LR * p.grad
-        return loss.item(), loss_of(probe(x), y).item()
 
 
 def show(run: Run) -> None:

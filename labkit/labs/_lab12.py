@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.labs._common import audited_sgd, curve_text, number, seeded
+from labkit.labs._common import audited_sgd, curve_text, number, one_step_effect, seeded
 from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
@@ -82,7 +82,7 @@ def train(stages, seed: int) -> Run:
     params = list(model.parameters())
     optimizer, audit = audited_sgd(params, LR)
     trace = {"loss_ratio": [], "rows": [], "grad_gap": [], "reduced": _probe(stages["all_reduce"]),
-             "one_step": _one_step_effect(x, y, seed), "noise": _noise(x, y, seed)}
+             "one_step": one_step_effect(seeded(_model, seed), lambda m: F.cross_entropy(m(x), y), LR), "noise": _noise(x, y, seed)}
     order = torch.Generator().manual_seed(seed + 1)
     losses = []
     for step in range(STEPS):
@@ -125,17 +125,6 @@ def _gap(params, wanted) -> float:
 def _probe(all_reduce_stage) -> list[float]:
     """What the run's all_reduce makes of two devices' gradients, one holding 1s and the other 3s."""
     return [g.mean().item() for g in all_reduce_stage([[torch.ones(3)], [torch.full((3,), 3.0)]])]
-
-
-def _one_step_effect(x, y, seed: int) -> tuple[float, float]:
-    """The full-data loss of the initial model before and after one SGD step at the lab's rate on it."""
-    probe = seeded(_model, seed)
-    loss = F.cross_entropy(probe(x), y)
-    grads = torch.autograd.grad(loss, list(probe.parameters()))
-    with torch.no_grad():
-        for p, g in zip(probe.parameters(), grads):
-            p -= LR * g
-        return loss.item(), F.cross_entropy(probe(x), y).item()
 
 
 def _noise(x, y, seed: int, draws: int = 8) -> dict[int, float]:

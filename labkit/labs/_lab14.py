@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from labkit.labs._common import audited_sgd, curve_text, number, relative_gap, seeded
+from labkit.labs._common import audited_sgd, curve_text, number, one_step_effect, relative_gap, seeded
 from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
@@ -163,7 +163,7 @@ def train(stages, seed: int) -> Run:
         held_out_loss = F.cross_entropy(logits, y_test).item()
         accuracy = (logits.argmax(1) == y_test).float().mean().item()
         train_accuracy = (model(x).argmax(1) == y).float().mean().item()
-    trace = {**_stream_health(epochs, x, y), "threads": sorted(threads), "one_step": _one_step_effect(x, y, seed),
+    trace = {**_stream_health(epochs, x, y), "threads": sorted(threads), "one_step": one_step_effect(seeded(_model, seed), lambda m: F.cross_entropy(m(x), y), LR),
              "rule_accuracy": _rule_accuracy(x, y, rule, seed)}
     batches = [batch for epoch in epochs for batch in epoch]
     return Run({"held_out_loss": held_out_loss, "accuracy": accuracy, "train_accuracy": train_accuracy}, trace,
@@ -199,17 +199,6 @@ def _repeated(epochs: list[list]) -> float:
     first = {tuple(row.tolist()) for batch in epochs[0] for row in batch[1]}
     last = [tuple(row.tolist()) for batch in epochs[-1] for row in batch[1]]
     return sum(row in first for row in last) / len(last)
-
-
-def _one_step_effect(x, y, seed: int) -> tuple[float, float]:
-    """The training rows' loss for the initial model before and after one SGD step at the lab's rate on them all."""
-    probe = seeded(_model, seed)
-    loss = F.cross_entropy(probe(x), y)
-    grads = torch.autograd.grad(loss, list(probe.parameters()))
-    with torch.no_grad():
-        for p, g in zip(probe.parameters(), grads):
-            p -= LR * g
-        return loss.item(), F.cross_entropy(probe(x), y).item()
 
 
 def _rule_accuracy(x, y, rule, seed: int) -> float:

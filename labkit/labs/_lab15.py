@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from labkit._torch_compat import import_dynamo_before_forking
 from labkit.distributed import run_ranks
 from labkit.labs._audit import StepAudit
-from labkit.labs._common import curve_text, number, relative_gap, seeded
+from labkit.labs._common import curve_text, number, one_step_effect, relative_gap, seeded
 from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
@@ -139,7 +139,7 @@ def train(stages, seed: int) -> Run:
              "grad_gap": max(abs(a - b) for a, b in zip(ranks[0]["grad_norms"], ranks[1]["grad_norms"])),
              "weight_gap": _state_gap(ranks, buffers=False), "buffer_gap": _state_gap(ranks, buffers=True),
              "start_gap": (ranks[0]["start"] - ranks[1]["start"]).abs().max().item(),
-             "unused": sum(r["unused"] for r in ranks), "one_step": _one_step_effect(x, y, seed)}
+             "unused": sum(r["unused"] for r in ranks), "one_step": one_step_effect(seeded(_model, seed), lambda m: F.cross_entropy(m(x), y), LR)}
     metrics = {"held_out_loss": ranks[0]["held_out_loss"], "accuracy": ranks[0]["accuracy"],
                "rank_loss_gap": abs(ranks[0]["held_out_loss"] - ranks[1]["held_out_loss"])}
     integrity = sorted({problem for r in ranks for problem in r["integrity"]})
@@ -160,17 +160,6 @@ def _state_gap(ranks: list[dict], buffers: bool) -> float:
             for name in ranks[0]["state"] if (name not in parameter_names) == buffers
             and not name.endswith("num_batches_tracked")]
     return max(gaps, default=0.0)
-
-
-def _one_step_effect(x, y, seed: int) -> tuple[float, float]:
-    """The training rows' loss for the initial model before and after one SGD step at the lab's rate on them all."""
-    probe = seeded(_model, seed)
-    loss = F.cross_entropy(probe(x), y)
-    grads = torch.autograd.grad(loss, list(probe.parameters()))
-    with torch.no_grad():
-        for p, g in zip(probe.parameters(), grads):
-            p -= LR * g
-        return loss.item(), F.cross_entropy(probe(x), y).item()
 
 
 def show(run: Run) -> None:
