@@ -220,9 +220,8 @@ print(f"estimated step peak / sum of the four parts: {peak_over_sum:.2f}; tempor
 summed_activations, peak_activations = int(dict(cnn_sum.rows)["activations"]), int(cnn_peak["activations"])
 print(f"activations: {summed_activations / 2**20:.1f} MiB saved by the forward pass (the sum), "
       f"{peak_activations / 2**20:.1f} MiB alive at the peak"
-      + (": the peak is not at the end of forward, when every saved activation was alive, but later, once "
-         "backward had freed some of them (the timeline below shows when)" if peak_activations < summed_activations
-         else ""))
+      + (": the peak is not at the end of forward, when every saved activation was alive (the timeline below "
+         "shows when it comes)" if peak_activations < summed_activations else ""))
 figure, ax = plt.subplots(figsize=(6.5, 4.2), layout="constrained")
 memory.plot_reports(cnn_sum, cnn_peak, ax=ax)
 ax.set_title(f"small CNN, batch {big_batch}, AdamW")
