@@ -15,9 +15,15 @@ It is built so that a notebook cell can never hang on it and never leaves anythi
 
 Nothing listens beyond this machine: the ranks meet through a `FileStore` in a temporary folder (a
 `TCPStore` server would listen on every network interface, not only 127.0.0.1), and gloo's own
-connections use the loopback interface. The processes are forked, so a rank function defined in a
-notebook cell works as it is. Each rank runs torch on one thread, and writes whatever it prints to
-a log that a failure report quotes from, so nothing from a rank reaches the notebook's outputs.
+connections use the loopback interface. Each rank runs torch on one thread, and writes whatever it
+prints to a log that a failure report quotes from, so nothing from a rank reaches the notebook's outputs.
+
+A rank function defined in a notebook cell works as it is. On a machine without an accelerator the
+ranks are forked from the caller. Where torch sees an accelerator (a GPU, MPS), a forked child cannot
+run backward once the caller has run one (autograd's device threads do not survive a fork: PyTorch's
+"Autograd and Fork" note), so the ranks are forked from a clean server process instead
+(multiprocessing's forkserver) and ``fn`` and ``args`` travel by value (cloudpickle), with the
+caller's random states and default dtype, which a forked rank would have inherited.
 
 Used in `15_distributed`.
 """
@@ -26,8 +32,10 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -41,6 +49,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+import cloudpickle
+import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
@@ -147,15 +157,28 @@ def loopback_interface() -> str:
     )
 
 
+def _forks_from_a_server() -> bool:
+    """Whether `run_ranks` starts its ranks from a forkserver (an accelerator is present) rather than by fork."""
+    return torch.accelerator.is_available()
+
+
 def _start(ranks: list[_Rank], fn: Callable, world_size: int, args: tuple, timeout: float, scratch: Path) -> None:
-    context = multiprocessing.get_context("fork")
+    if _forks_from_a_server():
+        context = multiprocessing.get_context("forkserver")
+        # The server imports torch once, not the caller's __main__ (a kernel's launcher).
+        context.set_forkserver_preload([__name__])
+        multiprocessing.forkserver.ensure_running()
+        parent_pid = multiprocessing.forkserver._forkserver._forkserver_pid
+        call = _by_value(fn, args)
+    else:
+        context, parent_pid, call = multiprocessing.get_context("fork"), os.getpid(), (fn, args, None)
     store_path = scratch / "store"
     for rank in range(world_size):
         reader, writer = context.Pipe(duplex=False)
         log = scratch / f"rank{rank}.log"
         process = context.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, args, str(store_path), timeout, writer, str(log), os.getpid()),
+            args=(call, rank, world_size, str(store_path), timeout, writer, str(log), parent_pid),
             name=f"labkit-rank{rank}",
             daemon=True,  # multiprocessing stops daemonic children when this process exits
         )
@@ -165,9 +188,34 @@ def _start(ranks: list[_Rank], fn: Callable, world_size: int, args: tuple, timeo
         writer.close()
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, args: tuple, store_path: str, timeout: float,
+def _by_value(fn: Callable, args: tuple) -> bytes:
+    """``fn``, ``args`` and the caller's state a forked rank would inherit, pickled by value for the server's ranks."""
+    inherited = {"torch_rng": torch.get_rng_state(), "default_dtype": torch.get_default_dtype(),
+                 "random": random.getstate(), "numpy": np.random.get_state()}
+    try:
+        return cloudpickle.dumps((fn, args, inherited))
+    except Exception as error:  # cloudpickle raises whatever the object's own reduction raises
+        raise LabkitError(
+            f"run_ranks sends fn and args by value to its rank processes on a machine with an accelerator, and "
+            f"they do not pickle: {type(error).__name__}: {first_line(str(error), ERROR_LINE_CHARS)}. Pass only "
+            "tensors, numbers, modules and functions (create open files, locks or generators inside fn)"
+        ) from error
+
+
+def _received(call: tuple | bytes) -> tuple[Callable, tuple]:
+    """The rank's ``fn`` and ``args``; a call sent by value also restores the caller's inherited state."""
+    fn, args, inherited = cloudpickle.loads(call) if isinstance(call, bytes) else call
+    if inherited is not None:
+        torch.set_rng_state(inherited["torch_rng"])
+        torch.set_default_dtype(inherited["default_dtype"])
+        random.setstate(inherited["random"])
+        np.random.set_state(inherited["numpy"])
+    return fn, args
+
+
+def _rank_main(call: tuple | bytes, rank: int, world_size: int, store_path: str, timeout: float,
                writer: Connection, log_path: str, parent_pid: int) -> None:
-    """The body of one forked rank: join the group, run fn, send back ("ok", value) or ("raised", ...)."""
+    """The body of one rank: join the group, run fn, send back ("ok", value) or ("raised", ...)."""
     _die_with_parent(parent_pid)
     _write_output_to(log_path)
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
@@ -175,6 +223,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, args: tuple, store_path
     torch.set_num_threads(1)
     reported = False
     try:
+        fn, args = _received(call)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
@@ -205,7 +254,8 @@ def _report(writer: Connection, message: tuple) -> None:
 def _die_with_parent(parent_pid: int) -> None:
     """Have Linux kill this rank if the process that started it dies (a kernel killed outright, say).
 
-    Elsewhere the process group's own timeout still ends an orphaned rank.
+    That process is the caller, or the forkserver, which exits when the caller dies. Elsewhere the
+    process group's own timeout still ends an orphaned rank.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -214,6 +264,13 @@ def _die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before the request above took effect
         os._exit(1)
+    # A forkserver's child holds the write end of the server's "alive" pipe, which keeps the server
+    # running while the child runs: let go of it, so that the server ends when the caller does, and
+    # this rank with it.
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def _write_output_to(log_path: str) -> None:

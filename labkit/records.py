@@ -10,6 +10,7 @@ library, so a kernel never loads the notebook-file tooling (`labkit.notebooks`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from labkit.errors import LabkitError
@@ -34,8 +35,11 @@ def show_record(text: str, mime: str, payload: dict, html: str | None = None) ->
     """Display ``payload`` under ``mime`` with ``text`` as its plain-text view (and ``html``, when
     given, as the view a notebook renders); print ``text`` outside IPython.
 
-    The stored output is what `stored_records` reads back later.
+    The stored output is what `stored_records` reads back later. Where ``LABKIT_RECORDS_LOG`` names a
+    file, the record is also appended to it as one JSON line: a run that keeps no notebook (nbval in
+    `.ci/gpu-runner`) still keeps what it measured.
     """
+    _append_to_records_log(mime, payload)
     try:
         from IPython import get_ipython
         from IPython.display import display
@@ -49,6 +53,19 @@ def show_record(text: str, mime: str, payload: dict, html: str | None = None) ->
     if html is not None:
         bundle["text/html"] = html
     display(bundle, raw=True)
+
+
+def _append_to_records_log(mime: str, payload: dict) -> None:
+    log = os.environ.get("LABKIT_RECORDS_LOG")
+    if not log:
+        return
+    line = json.dumps({"mime": mime, **payload}, default=str)
+    try:
+        with open(log, "a", encoding="utf-8") as file:
+            file.write(line + "\n")
+    except OSError as error:
+        raise LabkitError(f"cannot append to LABKIT_RECORDS_LOG={log}: {error}; "
+                          "point it at a writable file or unset it") from error
 
 
 def stored_records(notebook: str | Path, mime: str, fields: dict[str, type] | None = None) -> list[dict]:

@@ -145,6 +145,63 @@ def test_bad_requests_are_refused_before_any_process_starts(kwargs, problem):
         run_ranks(fn, **request)
 
 
+# Torch's own Python-defined accelerator (the privateuse1 backend of its tests) makes this CPU machine a GPU
+# machine to autograd: once the caller has run backward, a forked child cannot, as on a CUDA machine.
+FAKE_ACCELERATOR = """
+import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+_setup_privateuseone_for_python_backend("fakegpu")
+torch.ones(2, requires_grad=True).sum().backward()  # starts autograd's device threads
+"""
+
+ACCELERATOR_SCRIPT = FAKE_ACCELERATOR + """
+import os, random
+import torch.distributed as dist
+from labkit.distributed import _forks_from_a_server, run_ranks
+
+def backward_in_a_fork():
+    pid = os.fork()
+    if pid == 0:
+        try:
+            torch.ones(2, requires_grad=True).sum().backward()
+        except RuntimeError:
+            os._exit(3)
+        os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+SCALE = 3.0  # a global of the caller's __main__, as a notebook's
+
+def backward_and_average(rank, world_size):
+    w = torch.full((2,), float(rank + 1), requires_grad=True)
+    (SCALE * w).sum().backward()
+    dist.all_reduce(w.grad)
+    return w.grad.tolist(), torch.rand(1).item(), random.random(), torch.get_default_dtype()
+
+torch.set_default_dtype(torch.float64)
+torch.manual_seed(7); random.seed(7)
+expected = (torch.rand(1).item(), random.random())
+torch.manual_seed(7); random.seed(7)
+results = run_ranks(backward_and_average, 2, timeout=60)
+print(_forks_from_a_server(), backward_in_a_fork(), results == [([6.0, 6.0], *expected, torch.float64)] * 2)
+"""
+
+
+def test_after_a_backward_on_an_accelerator_machine_ranks_still_run_backward_with_the_caller_s_state():
+    # The GPU runner's first run of 15 failed here: every rank raised "Unable to handle autograd's
+    # threading in combination with fork-based multiprocessing".
+    done = subprocess.run([sys.executable, "-c", ACCELERATOR_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    server, forked_child_exit, as_if_forked = done.stdout.split()
+    assert forked_child_exit == "3", "a forked child's backward no longer fails: the server is not needed"
+    assert (server, as_if_forked) == ("True", "True")
+
+
+def test_on_a_machine_without_an_accelerator_ranks_are_forked_from_the_caller():
+    from labkit.distributed import _forks_from_a_server
+    assert not _forks_from_a_server()
+
+
 # A kernel killed outright (SIGKILL) runs no clean-up code; its ranks must still go.
 ORPHANING_SCRIPT = """
 import os, sys, time
@@ -166,9 +223,11 @@ def gone(pid):
         return True
 
 
-def test_ranks_die_with_a_parent_that_is_killed_outright(tmp_path):
+@pytest.mark.parametrize("machine", ["cpu", "accelerator"])
+def test_ranks_die_with_a_parent_that_is_killed_outright(tmp_path, machine):
     # TMPDIR keeps the killed parent's scratch folder, which no clean-up code removes, in tmp_path.
-    parent = subprocess.Popen([sys.executable, "-c", ORPHANING_SCRIPT, str(tmp_path)], cwd=ROOT,
+    script = (FAKE_ACCELERATOR if machine == "accelerator" else "") + ORPHANING_SCRIPT
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT,
                               env=dict(os.environ, TMPDIR=str(tmp_path)))
     try:
         pids = [wait_for_file(tmp_path / f"rank{rank}.pid", seconds=60) for rank in range(2)]

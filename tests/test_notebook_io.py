@@ -96,6 +96,19 @@ def test_show_record_prints_outside_ipython(capsys):
     assert capsys.readouterr().out == "the text\n"
 
 
+def test_show_record_appends_to_the_records_log_when_one_is_named(tmp_path, monkeypatch, capsys):
+    import json
+    log = tmp_path / "records.jsonl"
+    monkeypatch.setenv("LABKIT_RECORDS_LOG", str(log))
+    records.show_record("one", "application/x-a+json", {"v": 1})
+    records.show_record("two", "application/x-b+json", {"v": 2})
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines == [{"mime": "application/x-a+json", "v": 1}, {"mime": "application/x-b+json", "v": 2}]
+    monkeypatch.setenv("LABKIT_RECORDS_LOG", str(tmp_path / "no-such-folder" / "log"))
+    with pytest.raises(LabkitError, match="cannot append to LABKIT_RECORDS_LOG=.*writable file or unset it"):
+        records.show_record("three", "application/x-a+json", {"v": 3})
+
+
 def test_notebook_selection_by_stem_or_prefix(tmp_path):
     for name in ("00_a", "01_b", "10_c"):
         nbformat.write(nbformat.v4.new_notebook(), tmp_path / f"{name}.ipynb")

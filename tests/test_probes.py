@@ -475,7 +475,7 @@ def test_gpu_runner_runs_and_reports_every_stage_where_torch_claims_cuda(tmp_pat
     (tmp_path / "fake" / "sitecustomize.py").write_text(FAKE_CUDA)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "GPU_RUNNER_PYTHON": sys.executable, "TMPDIR": str(tmp_path),
-           "PYTHONPATH": str(tmp_path / "fake"), "NOTEBOOKS": "00"}
+           "PYTHONPATH": str(tmp_path / "fake"), "NOTEBOOKS": "01"}
     result = subprocess.run(["bash", ".ci/gpu-runner"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -484,7 +484,7 @@ def test_gpu_runner_runs_and_reports_every_stage_where_torch_claims_cuda(tmp_pat
     table = report.split("| --- | --- | --- |\n", 1)[1].split("\n\n", 1)[0]
     rows = [row.strip("| ").split(" | ") for row in table.splitlines()]
     assert [row[0] for row in rows] == ["fingerprint", "GPU-marked tests (pytest -m gpu)",
-                                        "probe benchmark (benchmarks/probes.py)", "nbval 00_start_here.ipynb"]
+                                        "probe benchmark (benchmarks/probes.py)", "nbval 01_computation_graph.ipynb"]
     assert all(exit_code == "1" for _, exit_code, _ in rows), rows
     assert "failed" in rows[1][2] and "failed" in rows[3][2], rows
     # the fingerprint failed on the missing device (how torch words it depends on its build): no file
@@ -492,6 +492,12 @@ def test_gpu_runner_runs_and_reports_every_stage_where_torch_claims_cuda(tmp_pat
     assert not (out / "fingerprint.json").exists()
     assert "(not written: see fingerprint.log)" in report
     assert "Traceback" in (out / "fingerprint.log").read_text()
+    # nbval's run appends what the notebook recorded, under the notebook's name, and the report lists its verdicts
+    logged = [json.loads(line) for line in (out / "gpu_records.jsonl").read_text().splitlines()]
+    assert logged[0] == {"mime": "notebook", "notebook": "01_computation_graph.ipynb"}
+    verdicts = [record for record in logged if record["mime"].endswith("claim+json")]
+    assert verdicts, "01 records verdicts in its cells that need no device"
+    assert f"| 01_computation_graph.ipynb | {verdicts[0]['id']} | {verdicts[0]['verdict']} |" in report
 
 
 # ------------------------------------------------------------------------------------------ on a GPU
