@@ -98,8 +98,11 @@ class _Zygote:
         labkit_root = Path(__file__).resolve().parents[1]
         self.scratch = tempfile.mkdtemp(prefix="labkit-zygote-")
         self.channel, zygote_end = socket.socketpair()
+        # No GPU: checks run on the CPU, and with an accelerator in sight a rank or worker forked after a
+        # backward could not run one (labkit.distributed), nor start from a server under the audit hook.
         environment = {"PATH": os.environ.get("PATH", ""), "HOME": self.scratch, "TMPDIR": self.scratch,
-                       "LANG": "C.UTF-8", "PYTHONPATH": str(labkit_root), "PYTHONDONTWRITEBYTECODE": "1"}
+                       "LANG": "C.UTF-8", "PYTHONPATH": str(labkit_root), "PYTHONDONTWRITEBYTECODE": "1",
+                       "CUDA_VISIBLE_DEVICES": ""}
         with zygote_end:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "labkit._grader_zygote", str(zygote_end.fileno())], pass_fds=[zygote_end.fileno()],

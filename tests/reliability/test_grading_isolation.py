@@ -248,6 +248,12 @@ def test_each_answer_runs_in_a_fresh_process_forked_from_a_zygote_that_no_answer
     assert (patched, left) == ("False", "False")
 
 
+def test_answers_are_graded_on_the_cpu_with_no_gpu_in_sight():
+    looker = ("import os, torch\n"
+              "raise RuntimeError(f\"[{os.environ.get('CUDA_VISIBLE_DEVICES')}]-{torch.cuda.device_count()}\")\n")
+    assert _raised(grade("00.1", looker)) == "[]-0"
+
+
 def test_a_zygote_that_ended_is_replaced_and_an_interrupted_check_leaves_no_stale_reply(monkeypatch):
     from labkit import _grader_process
     _grader_process._zygote().process.kill()
