@@ -1118,10 +1118,6 @@ BY_HAND: dict[str, tuple[str, str]] = {
     "PG26": (OK, "script, read by hand: 3 notebooks each with an endless 00.1 took 205 s at load 14 (each answer stopped "
                  "at its bound, ~60 s of waiting), rc 0; the report has one row per exercise (the last notebook's), 00.1 "
                  "'not yet: ... did not finish'; the script's first predicate expected a row per notebook"),
-    "AP9": (TRACEBACK, "script, read by hand: the first call of torch.compile(model, fullgraph=True), made inside an "
-                       "active GradTracer(model, optimizer, activations=True), raises dynamo's Unsupported ('Attempted to "
-                       "call a super() attribute that is not a function or method', from weakref.WeakMethod in "
-                       "labkit/tracers/_hooks.py's forward pre-hook); the review saw 2 steps and 6 activation rows"),
     "DK8": (OK, "by hand: a 4-point --cluster local:2 sweep, SIGTERM to the repro process at 40 s: exit 5.4 s later at "
                 "load 14, the two running points' partial notebooks kept, summary '0 finished point(s) kept ...; 2 stopped "
                 "while running ...; 2 never started' (the review's miscount is gone), sweep.csv written, no Traceback, "

@@ -620,6 +620,92 @@ def test_relu_statistics_of_a_convolution_match_its_outputs():
     assert relu["std"] == pytest.approx(outputs.std().item())
 
 
+# ------------------------------------------------------------------ torch.compile (the review's AP8, AP9)
+
+
+def traced_eager_and_fullgraph_compiled(train) -> tuple[GradTracer, GradTracer]:
+    """``train(optimizer, forward)`` under a tracer with activations, once eagerly and once through
+    ``torch.compile(model, fullgraph=True)`` made inside the tracer (AP9), from the same weights."""
+    tracers = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1), nn.Sigmoid())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with GradTracer(model, optimizer, activations=True, full_every=2, update_ratio=True) as tracer:
+            forward = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+            train(optimizer, forward)
+        assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+        tracers.append(tracer)
+    return tracers[0], tracers[1]
+
+
+def assert_same_records(eager: GradTracer, compiled: GradTracer) -> None:
+    for read in (GradTracer.history, GradTracer.activation_history):
+        expected, got = read(eager), read(compiled)
+        assert len(got) == len(expected) > 0
+        for want, row in zip(expected, got):
+            assert row.keys() == want.keys()
+            for key, value in want.items():
+                if not isinstance(value, float):
+                    assert row[key] == value, (key, want, row)
+                elif math.isnan(value):  # the std of a one-value gradient
+                    assert math.isnan(row[key]), (key, want, row)
+                else:
+                    assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, want, row)
+
+
+def test_a_fullgraph_compiled_model_records_what_the_eager_one_records():
+    # Nine micro-batches a step: more than dynamo's recompile limit (8), so a hook that made the
+    # graph recompile at every micro-batch fails here; two batch sizes make the shapes dynamic.
+    def train(optimizer, forward):
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            for micro_batch in range(9):
+                forward(torch.randn(4 + micro_batch % 2, 4, generator=generator)).sum().backward()
+            with torch.no_grad():
+                forward(torch.randn(4, 4, generator=generator))  # evaluation does not count
+            optimizer.step()
+
+    eager, compiled = traced_eager_and_fullgraph_compiled(train)
+    assert {r["calls"] for r in compiled.activation_history()} == {9}
+    assert_same_records(eager, compiled)
+
+
+def test_a_step_skipped_under_a_fullgraph_compiled_model_keeps_its_own_forward_passes():
+    def train(optimizer, forward):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(3):
+            optimizer.zero_grad()
+            for _ in range(2):
+                loss = forward(torch.randn(8, 4, generator=generator)).pow(2).mean()
+                scaler.scale(loss * math.inf if step == 1 else loss).backward()
+            scaler.step(optimizer)  # skipped at step 1: inf gradients
+            scaler.update()
+
+    eager, compiled = traced_eager_and_fullgraph_compiled(train)
+    assert [a.step for a in compiled.alerts("skipped_step")] == [1]
+    assert {r["step"]: r["calls"] for r in compiled.activation_history()} == {0: 2, 1: 2, 2: 2}
+    assert_same_records(eager, compiled)
+
+
+def test_parameters_replaced_under_a_fullgraph_compiled_model_lose_one_step_and_are_followed():
+    model = small_mlp()
+    with GradTracer(model, activations=True) as tracer:
+        forward = torch.compile(model, fullgraph=True, backend="aot_eager")
+        forward(torch.randn(4, 4)).sum().backward()
+        tracer.step()
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        forward(torch.randn(4, 4)).sum().backward()
+        with pytest.raises(LabkitError, match="compiled by torch.compile"):
+            tracer.step()  # the compiled pre-hook cannot check the parameters before the forward pass
+        forward(torch.randn(4, 4)).sum().backward()
+        tracer.step()
+    last = [r for r in tracer.history() if r["step"] == 1]
+    assert [r["norm"] for r in last] == pytest.approx([p.grad.norm().item() for p in model.parameters()])
+
+
 def test_update_ratio_is_the_step_size_over_the_weight_size():
     model = Weighted(2)
     with torch.no_grad():

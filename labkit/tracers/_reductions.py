@@ -166,10 +166,11 @@ def _step_tensors(
         tensors.append(torch.cat((scalars, counts), dim=1).reshape(-1))
     if batched_block is not None:
         tensors.append(batched_block)
-    for _, _, sums, alive in activations:
+    for _, _, sums, alive, *counted_on_device in activations:
         tensors.append(sums)
         if alive is not None:
             tensors.append(alive.sum(0, keepdim=True))
+        tensors += counted_on_device
     if update is not None:
         tensors.append(update)
     return tensors

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
 from labkit.tracers._reductions import _FULL_SCALARS
@@ -85,18 +86,42 @@ def _sample_std(total_sq: float, total: float, count: int) -> float:
     return math.sqrt(max(total_sq - total * total / count, 0.0) / (count - 1))
 
 
+def _add_compiled_activation(
+    pending: list, index: int, numel: int, sums: torch.Tensor, alive: torch.Tensor | None
+) -> None:
+    """`GradTracer._on_activation` when dynamo traces it into a ``torch.compile`` graph. A Python int
+    read there would be a constant of the graph, recompiled at every micro-batch (and past dynamo's
+    recompile limit, ``fullgraph=True`` fails), so the calls and values of compiled forward passes are
+    counted on the device, in a fifth entry [calls, values] that `_activation_row` reads after the
+    sums; an eager forward pass in the same step adds to the two ints as usual."""
+    counts = sums.new_tensor([1, numel])
+    entry = pending[index]
+    if entry is None:
+        pending[index] = [0, 0, sums, alive, counts]
+        return
+    entry[2] = entry[2] + sums
+    if alive is not None:
+        entry[3] = entry[3] | alive
+    if len(entry) == 4:
+        entry.append(counts)
+    else:
+        entry[4] = entry[4] + counts
+
+
 def _activation_row(
     step: int, name: str, module: nn.Module, pending: list, values: Iterator[float]
 ) -> _ActivationRow:
     """One leaf module's row, from its pending counts and the numbers the step read back."""
-    # `_activation_summary`'s layout: the sums, a saturated count (tanh, sigmoid), then a
-    # live-unit count (ReLU)
-    calls, count, _, alive = pending
+    # `_step_tensors`' layout: the sums, a saturated count (tanh, sigmoid), then a live-unit count
+    # (ReLU), then the compiled forward passes' calls and values (`_add_compiled_activation`)
+    calls, count, _, alive, *counted_on_device = pending
     total, total_sq = next(values), next(values)
     saturating = isinstance(module, (nn.Tanh, nn.Sigmoid))
-    saturated = next(values) / count if saturating else None
-    dead = None if alive is None else 1.0 - next(values) / alive.numel()
+    saturated = next(values) if saturating else None
+    live = None if alive is None else next(values)
+    if counted_on_device:
+        calls, count = calls + round(next(values)), count + round(next(values))
     return _ActivationRow(
-        step, name, type(module).__name__, calls, total / count,
-        _sample_std(total_sq, total, count), saturated, dead,
+        step, name, type(module).__name__, calls, total / count, _sample_std(total_sq, total, count),
+        None if saturated is None else saturated / count, None if live is None else 1.0 - live / alive.numel(),
     )  # fmt: skip

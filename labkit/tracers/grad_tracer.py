@@ -23,7 +23,6 @@ from torch import nn
 from labkit._torch_compat import (
     graph_task_id,
     queue_backward_callback,
-    rearm_post_accumulate_grad_hooks,
     tensor_identity,
 )
 from labkit.errors import LabkitError
@@ -36,7 +35,15 @@ from labkit.tracers._alerts import (
     _skipped_step_alert,
 )
 from labkit.tracers._full_statistics import _FullStatistics
-from labkit.tracers._hooks import _TRACED_PARAMS, _owner, _refuse_traced, _release_hooks, _WeakHook
+from labkit.tracers._hooks import (
+    _TRACED_PARAMS,
+    _owner,
+    _refuse_traced,
+    _release_hooks,
+    _replacement_parameters,
+    _unhook_and_register,
+    _WeakHook,
+)
 from labkit.tracers._options import (
     _check_histogram_sample,
     _check_optimizer_owns_some,
@@ -60,6 +67,7 @@ from labkit.tracers._rows import (
     NUMERIC_GRAD_STATS,
     _activation_row,
     _ActivationRow,
+    _add_compiled_activation,
     _GradRow,
     _sample_std,
 )
@@ -150,7 +158,9 @@ class GradTracer:
     noticed before the next forward pass and traced from then on; a move to the meta device, a
     different set of parameters, or an optimizer still holding the old ones is a `LabkitError`.
     The hooks hold the tracer weakly: a tracer entered and never exited is removed, hooks and all,
-    once nothing refers to it.
+    once nothing refers to it. Under ``torch.compile`` (``fullgraph=True`` too) the module hooks are
+    traced into the graph and record what they record eagerly; a parameter replaced under a compiled
+    forward pass is found when the step closes (the `LabkitError` above).
     """
 
     def __init__(
@@ -284,35 +294,8 @@ class GradTracer:
 
     def _reattach(self) -> None:
         """Move the gradient hooks to the model's current parameters (see `_parameters_replaced`)."""
-        named = [(name, p) for name, p in self.model.named_parameters() if p.numel() > 0]
-        what = (
-            "the model's parameters were replaced while the tracer was attached "
-            "(load_state_dict(..., assign=True), .to(), or a conversion that swaps tensors)"
-        )
-        if [name for name, _ in named] != self.names:
-            raise LabkitError(
-                f"{what} and are no longer the same set ({len(named)} now, {len(self.names)} "
-                "traced): exit this tracer and attach a new GradTracer to the new model"
-            )
-        params = [p for _, p in named]
-        if any(p.device.type == "meta" for p in params):
-            raise LabkitError(
-                f"{what}, and they are on the meta device now: meta tensors hold no values, so "
-                "there is no gradient to trace; exit the tracer before moving the model to meta"
-            )
-        if self.optimizer is not None:
-            _check_optimizer_owns_some(self.optimizer, self.model, params, replaced=True)
-        new_ids = {id(p) for p in params} - self._traced_ids
-        _refuse_traced(new_ids, self.model)
-        for handle in self._grad_handles:
-            if handle is not None:
-                handle.remove()
-        _TRACED_PARAMS.difference_update(self._traced_ids)
-        self._traced_ids.clear()
-        self._traced_ids.update(id(p) for p in params)
-        _TRACED_PARAMS.update(self._traced_ids)
-        for param in params:
-            rearm_post_accumulate_grad_hooks(param)
+        params = _replacement_parameters(self.model, self.names, self.optimizer, self._traced_ids)
+        _unhook_and_register(self._grad_handles, self._traced_ids, params)
         self._params = params
         self._owners = [_owner(self.model, name) for name in self.names]
         self._identities = [tensor_identity(p) for p in params]
@@ -323,7 +306,9 @@ class GradTracer:
             self._params_before = _ParameterCopy(params)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if self._parameters_replaced():
+        # Traced into a compiled graph, it cannot read a C++ tensor's identity: `_close_step` finds a
+        # replacement there.
+        if not torch.compiler.is_compiling() and self._parameters_replaced():
             self._reattach()
 
     def _hook_activations(self) -> None:
@@ -367,7 +352,7 @@ class GradTracer:
     def _begin_backward(self, task: int) -> dict[int, tuple]:
         # The first gradient of a backward pass; the step's gradients may have been thrown away
         # since the last one (a skipped step).
-        if self._step_was_abandoned():
+        if self._skipped_activations is not None or self._step_was_abandoned():
             self._close_step(None, skipped=True)
         staged: dict[int, tuple] = {}
         if task >= 0:
@@ -407,8 +392,12 @@ class GradTracer:
         # Only forward passes that build a graph feed a gradient; evaluation under no_grad does not.
         if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or output.numel() == 0:
             return
+        compiling = torch.compiler.is_compiling()  # traced into a torch.compile graph
         if self._step_was_abandoned():
-            self._close_step(None, skipped=True)
+            if compiling:
+                self._set_aside_skipped_step()
+            else:
+                self._close_step(None, skipped=True)
         if isinstance(module, nn.ReLU) and not -output.dim() <= self._unit_dim < output.dim():
             raise LabkitError(
                 f"unit_dim={self._unit_dim} does not exist in the {tuple(output.shape)} output of "
@@ -416,6 +405,9 @@ class GradTracer:
                 "naming the units' dimension"
             )
         sums, alive = _activation_summary(output.detach(), module, self._unit_dim)
+        if compiling:
+            _add_compiled_activation(self._activation_pending, index, output.numel(), sums, alive)
+            return
         pending = self._activation_pending[index]
         if pending is None:
             self._activation_pending[index] = [1, output.numel(), sums, alive]
@@ -425,6 +417,13 @@ class GradTracer:
         pending[2] = pending[2] + sums
         if alive is not None:
             pending[3] = pending[3] | alive
+
+    def _set_aside_skipped_step(self) -> None:
+        # A compiled graph cannot close a step (that reads the device): the skipped step's activations
+        # wait here for the next backward's first gradient hook, which closes the step.
+        self._skipped_activations = self._activation_pending
+        self._activation_pending = [None] * len(self._activation_modules)
+        self._first_grad = None
 
     def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._norms_before = self._params_before.take(self._params)
@@ -464,10 +463,14 @@ class GradTracer:
         self._first_grad: tuple[torch.Tensor, torch.Tensor] | None = None
         self._accumulations = [0] * count
         self._activation_pending = [None] * len(self._activation_modules)
+        self._skipped_activations: list | None = None  # `_set_aside_skipped_step`
         self._full_step = self._full_every > 0 and self._step % self._full_every == 0
 
     def _close_step(self, update: torch.Tensor | None, skipped: bool = False) -> None:
         self._backwards.clear()  # backward passes that raised: their gradients never count
+        next_activations = self._skipped_activations  # the next step's, if this one was set aside
+        if next_activations is not None:
+            next_activations, self._activation_pending = self._activation_pending, next_activations
         if self._parameters_replaced():
             # Replaced after this step's forward pass (the forward pre-hook re-attaches before it):
             # the step's gradients went to parameters the tracer did not hook.
@@ -476,9 +479,10 @@ class GradTracer:
             self._reset_pending()
             raise LabkitError(
                 f"step {step}: the model's parameters were replaced during the step, after its "
-                "forward pass, so its gradients reached parameters the tracer was not hooked to: "
-                "the step is not recorded; the tracer follows the new parameters from the next step "
-                "(replace parameters between steps, before the forward pass)"
+                "forward pass (or before a forward pass compiled by torch.compile, which cannot check), "
+                "so its gradients reached parameters the tracer was not hooked to: the step is not "
+                "recorded; the tracer follows the new parameters from the next step (replace parameters "
+                "between steps, before the forward pass; a compiled model's first step after it is lost)"
             )
         activations = [(k, p) for k, p in enumerate(self._activation_pending) if p is not None]
         summaries = [s for s in self._pending if s is not None]
@@ -503,6 +507,8 @@ class GradTracer:
             self._alerts.append(_skipped_step_alert(self._step))
         self._step += 1
         self._reset_pending()
+        if next_activations is not None:
+            self._activation_pending = next_activations
         self._hook_parameters_needing_grad()
 
     def _full_values(self, values: Iterator[float], batched: list[int]) -> dict[int, Iterator[float]]:
