@@ -109,7 +109,8 @@ def test_uv_sync_installs_the_course_lock_with_the_dev_extra():
     uv, uv_constraints = table["tool"]["uv"], load_uv_constraints()
     assert len(uv_constraints.pins()) == len(lock("constraints.txt"))
     assert uv["constraint-dependencies"] == uv_constraints.pins(), "run .ci/hook-python .ci/uv_constraints.py --write"
-    assert table["dependency-groups"]["dev"] == [f"{project()['name']}[dev]"], "uv sync's default group is make setup's"
+    # uv sync's default group is make setup's: the dev extra, and pip, which a uv environment otherwise lacks
+    assert table["dependency-groups"]["dev"] == [f"{project()['name']}[dev]", "pip>=23.2"]
     # torch from PyTorch's CPU index, and only torch: PyPI's Linux torch is the CUDA build with unpinned nvidia-* packages
     (index,) = table["tool"]["uv"]["index"]
     assert (index["url"], index["explicit"]) == ("https://download.pytorch.org/whl/cpu", True)
