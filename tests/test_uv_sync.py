@@ -173,7 +173,8 @@ def test_uv_sync_in_a_clean_copy_installs_the_lock_and_the_install_tests_pass(tm
     print(f"\nuv sync {sync_seconds:.0f} s ({counts}), "
           f"torch {environment.get('torch')} from {'a local index of ' + wheel.name if wheel else 'PyTorch CPU index'}; "
           f"uv run pytest tests/test_install.py {test_seconds:.0f} s: {tested.stdout.strip().splitlines()[-1:]}")
-    assert differences_from_the_lock(environment) == [], "uv sync did not install the lock with the dev extra"
+    differences = differences_from_the_lock(environment)
+    assert not differences, "uv sync did not install the lock with the dev extra:\n" + "\n".join(differences)
     assert tested.returncode == 0, tested.stdout[-4000:] + tested.stderr[-2000:]
     assert re.search(r"^\d+ passed", tested.stdout.strip().splitlines()[-1]), tested.stdout[-2000:]
     assert (copy / "uv.lock").is_file() and (copy / ".venv").is_dir(), "uv wrote its lock and environment in the copy"
