@@ -179,8 +179,9 @@ def test_without_a_venv_the_hooks_say_to_run_make_setup(tmp_path):
 
 
 def test_ci_runs_the_readme_test_commands_on_both_locks():
+    # and then what a uv user does: uv sync must give the same lock (tests/test_uv_sync.py)
     commands = re.findall(r"^timed make ([a-z-]+)", (ROOT / ".ci" / "run").read_text(), flags=re.M)
-    assert commands == ["test", "test-compat"]
+    assert commands == ["test", "test-compat", "test-uv"]
 
 
 @pytest.mark.lock_only  # repository text; and make compat-verified runs test-compat before it writes the record
