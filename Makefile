@@ -52,7 +52,7 @@ INSTRUMENT_TESTS := tests/test_torch_compat.py tests/test_tracers.py tests/test_
 COMPAT_UNIT_TESTS = $(if $(filter all,$(COMPAT_UNIT)),$(UNIT_TESTS),$(if $(filter instruments,$(COMPAT_UNIT)),$(INSTRUMENT_TESTS) -q,$(error COMPAT_UNIT=$(COMPAT_UNIT): use all or instruments)))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup hooks lab lab-student notebooks workbook site test test-unit test-notebooks test-compat compat-verified test-colab test-browser test-gpu lint api student course workshop workshop-proxy workshop-learners workshop-password bench repro clean
+.PHONY: help setup hooks lab lab-student notebooks workbook site test test-unit test-notebooks test-compat compat-verified test-colab test-uv test-browser test-gpu lint api student course workshop workshop-proxy workshop-learners workshop-password bench repro clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -109,6 +109,11 @@ test-unit: $(STAMP) ## only the unit tests
 # Not in make test (minutes, and a venv of its own): the issue-40 acceptance, benchmarks/results/colab_install.md.
 test-colab: $(STAMP) ## a Colab-like venv (torch, numpy, pandas imported first): 00's first cell installs labkit beside them, then 00 runs
 	LABKIT_COLAB_TEST=1 $(PY) -m pytest tests/test_install.py -q -s -p no:cacheprovider -m colab_like
+
+# In CI after make test (.ci/run): a copy of the checkout, uv sync from pyproject's [tool.uv], the lock checked in
+# the environment it made, then `uv run pytest tests/test_install.py` there; a minute with uv's cache cold (docs/INSTALL.md, uv).
+test-uv: $(STAMP) ## uv sync then uv run pytest tests/test_install.py in a copy of the checkout: uv gives the lock
+	LABKIT_UV_TEST=1 $(PY) -m pytest tests/test_uv_sync.py -q -s -p no:cacheprovider -m uv_sync
 
 test-browser: $(STAMP) ## JupyterLab in headless Chromium: Run All, move a slider (installs Debian's chromium as root)
 	@test -x $(CHROMIUM) || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || echo "Debian's chromium is missing and cannot be installed here: the browser tests skip (LABKIT_REQUIRE_BROWSER=1 makes that a failure)"

@@ -109,7 +109,8 @@ def test_uv_sync_installs_the_course_lock_with_the_dev_extra():
     uv, uv_constraints = table["tool"]["uv"], load_uv_constraints()
     assert len(uv_constraints.pins()) == len(lock("constraints.txt"))
     assert uv["constraint-dependencies"] == uv_constraints.pins(), "run .ci/hook-python .ci/uv_constraints.py --write"
-    assert table["dependency-groups"]["dev"] == [f"{project()['name']}[dev]"], "uv sync's default group is make setup's"
+    # uv sync's default group is make setup's: the dev extra, and pip, which a uv environment otherwise lacks
+    assert table["dependency-groups"]["dev"] == [f"{project()['name']}[dev]", "pip>=23.2"]
     # torch from PyTorch's CPU index, and only torch: PyPI's Linux torch is the CUDA build with unpinned nvidia-* packages
     (index,) = table["tool"]["uv"]["index"]
     assert (index["url"], index["explicit"]) == ("https://download.pytorch.org/whl/cpu", True)
@@ -178,8 +179,9 @@ def test_without_a_venv_the_hooks_say_to_run_make_setup(tmp_path):
 
 
 def test_ci_runs_the_readme_test_commands_on_both_locks():
+    # and then what a uv user does: uv sync must give the same lock (tests/test_uv_sync.py)
     commands = re.findall(r"^timed make ([a-z-]+)", (ROOT / ".ci" / "run").read_text(), flags=re.M)
-    assert commands == ["test", "test-compat"]
+    assert commands == ["test", "test-compat", "test-uv"]
 
 
 @pytest.mark.lock_only  # repository text; and make compat-verified runs test-compat before it writes the record
