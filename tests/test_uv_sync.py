@@ -165,7 +165,7 @@ def test_uv_sync_in_a_clean_copy_installs_the_lock_and_the_install_tests_pass(tm
                             "index: docs/INSTALL.md, uv)") + ":\n" + synced.stderr[-3000:])
     listing = subprocess.run([str(copy / ".venv" / "bin" / "python"), "-c", "import importlib.metadata as m, json; "
                               "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"],
-                             capture_output=True, text=True, check=True, timeout=120)
+                             cwd=copy, capture_output=True, text=True, check=True, timeout=120)
     environment = json.loads(listing.stdout)
     tested, test_seconds = run(["uv", "run", "pytest", "tests/test_install.py", "-q"], copy, env, timeout=900)
 
