@@ -4,15 +4,15 @@
 # A loss curve tells you *that* training went wrong; per-layer gradient statistics can tell you
 # *where*. This notebook teaches `labkit.GradTracer` on networks that go wrong (vanishing, saturated,
 # dead, missing, exploding), then measures five claims about gradient monitoring: how early gradients
-# warn, what a [hook](GLOSSARY.md#hook) sees, why a bias gradient can be zero, what a broken skip connection looks like,
-# and how small LayerNorm gradients really are.
+# warn, what a [hook](GLOSSARY.md#hook) sees, why a bias gradient can be zero, and, in the appendix after the
+# exercises, what a broken skip connection looks like and how small LayerNorm gradients really are.
 #
 # **You will learn**
 # - how to read per-layer gradient statistics with `labkit.GradTracer`: vanishing, saturated, dead,
 #   missing and exploding
 # - which gradient statistics warn of divergence before the loss does, and which only after it
 # - what a `register_post_accumulate_grad_hook` sees, and why a bias gradient can be zero
-# - what a broken skip connection and LayerNorm gradients look like
+# - (in the appendix) what a broken skip connection and LayerNorm gradients look like
 #
 # **Prerequisites:**
 # [01 · The computation graph: what autograd records, and what it does not](01_computation_graph.ipynb),
@@ -908,7 +908,179 @@ claims.check(
 # tracer's `dead` share). Moving the Dropout changes nothing about it.
 
 # %% [markdown]
-# ## Case L4: does a skip concatenated without channel alignment push decoder gradients below 1e-6?
+# ## Summary
+# - `GradTracer` reads each gradient in `register_post_accumulate_grad_hook` (L2: once per backward
+#   pass, after accumulation) and turns per-layer std, update:data ratios, saturation, dead units and
+#   missing gradients into alerts; `plot_grad_flow`, `plot_grad_stat` and `plot_grad_histograms`
+#   draw them.
+# - L1: the article's monitor, run as its code is written, is judged on its first alert that a
+#   capped healthy twin did not raise too, against the loss alarm (the verdict cell prints the lead
+#   and the measured cost). Its rule is blind to NaN and to missing gradients; its sampled log can
+#   miss a sparse spike that the full-std alert catches. In an uncapped warm-up the first layer's
+#   update:data ratio fires first (past 1e-2, long before the loss, but a capped run gets there too;
+#   past the capped run's plateau, a few dozen steps before the loss); the tracer's `exploding`
+#   alert, built for jumps, fires after the loss.
+# - A bias gradient does not see the Dropout mask in front of its layer (L3); std 0 means a
+#   normalisation right after it or dead units.
+# - In the appendix: `plot_grad_flow` does show the layers whose gradients are near zero (the tour's
+#   sigmoid stack); a skip concatenated without channel alignment crashes the decoder built for
+#   aligned channels, and with its channels merely out of order it trains with ordinary decoder
+#   gradients, not below 1e-6 (L4). Compare gradients of differently sized parameters per entry:
+#   LayerNorm's are not 100x smaller per entry (L5).
+
+# %% [markdown]
+# ## Claims checked
+# The table lists the cases of the main path; L4 and L5, in the appendix, are recorded after it, and
+# `python -m labkit claims` lists them all.
+
+# %%
+claims.table()
+
+
+# %% [markdown]
+# ## Exercises
+# ### Exercise 08.1: read the accumulated gradient
+# `record_grad_norms(model)` should register, on every parameter, a hook that stores the norm of that
+# parameter's *accumulated* gradient (what `.grad` holds after the backward pass) in a dict under the
+# parameter's name, and return the dict and the hook handles. The version below uses
+# `Tensor.register_hook`, which sees only the gradient arriving from the current backward pass.
+
+# %%
+# planted bug for exercise 08.1
+def record_grad_norms(model):
+    """Hooks that keep, per parameter name, the norm of its accumulated .grad; returns (norms, handles)."""
+    norms, handles = {}, []
+    for name, param in model.named_parameters():
+        def store(grad, name=name):
+            norms[name] = grad.norm().item()
+        handles.append(param.register_hook(store))
+    return norms, handles
+
+
+# %%
+# The symptom: with three micro-batches the recorded norm is not the norm of .grad.
+torch.manual_seed(seed)
+demo = nn.Linear(4, 2)
+norms, handles = record_grad_norms(demo)
+for _ in range(3):
+    demo(torch.randn(8, 4)).pow(2).mean().backward()
+print(f"recorded {norms['weight']:.4f}, but weight.grad has norm {demo.weight.grad.norm():.4f}")
+for handle in handles:
+    handle.remove()
+
+
+# %% nbgrader={"grade": false, "grade_id": "exercise_08_1", "locked": false, "schema_version": 3, "solution": true}
+# exercise 08.1
+def record_grad_norms(model):
+    """Hooks that keep, per parameter name, the norm of its accumulated .grad; returns (norms, handles)."""
+    ### BEGIN SOLUTION
+    norms, handles = {}, []
+    for name, param in model.named_parameters():
+        def store(tensor, name=name):
+            norms[name] = tensor.grad.norm().item()
+        handles.append(param.register_post_accumulate_grad_hook(store))
+    return norms, handles
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_08_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+grading.check("08.1", record_grad_norms)
+
+
+# %% [markdown]
+# ### Exercise 08.2: a spike alert that sees NaN
+# `spike_alert(history, current, factor=3.0, window=5)` should return `True` when `current` is not
+# finite, or when it exceeds `factor` times the mean of the last `window` *finite* readings in
+# `history`; with fewer than `window` finite readings a finite `current` gives `False`. It must not
+# change `history`. The version below is the monitor's rule, which case L1 showed to be blind to NaN.
+
+# %%
+# planted bug for exercise 08.2
+def spike_alert(history, current, factor=3.0, window=5):
+    """True when `current` is non-finite or above factor x the mean of the last `window` finite readings."""
+    if len(history) < window:
+        return False
+    return current > factor * np.mean(history[-window:])
+
+
+# %%
+# The symptom: a NaN reading raises nothing, and after it a 100x jump raises nothing either.
+readings = [1.0, 1.1, 0.9, 1.0, 1.0]
+print("NaN reading alerts:", spike_alert(readings, math.nan))
+print("100x reading after a NaN entered the history alerts:", spike_alert(readings + [math.nan], 100.0))
+
+
+# %% nbgrader={"grade": false, "grade_id": "exercise_08_2", "locked": false, "schema_version": 3, "solution": true}
+# exercise 08.2
+def spike_alert(history, current, factor=3.0, window=5):
+    """True when `current` is non-finite or above factor x the mean of the last `window` finite readings."""
+    ### BEGIN SOLUTION
+    if not math.isfinite(current):
+        return True
+    finite = [value for value in history if math.isfinite(value)]
+    if len(finite) < window:
+        return False
+    return current > factor * float(np.mean(finite[-window:]))
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_08_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+grading.check("08.2", spike_alert)
+
+# %%
+grading.score()
+
+# %% [markdown]
+# ## Debugging lab 08: a deep network whose loss will not come down
+# A new run: a deep ReLU regression network trained for a few steps, with one defect drawn for you
+# from this notebook's family. `labs.start` prints what you would see (the loss and the held-out
+# loss), the causes you may choose from (decoys included) and the stages you may rewrite. The run
+# trained under a `GradTracer` with `activations=True`, which it hands you as `lab.tracer`;
+# investigate with it (its history, alerts, activation history and plots, as in the tour above), the
+# run's other objects (`lab.model`, `lab.losses`, `lab.x`, `lab.y`), plain PyTorch, and
+# `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the stage function you
+# rewrote (lab 00 shows the format). The check reruns the training with your stage and compares
+# the first layer's gradient and the held-out loss with the same training without the defect.
+
+# %% tags=["nbval-ignore-output"]
+from labkit import labs
+
+lab = labs.start("08")
+
+
+# %%
+# lab 08: your answer
+def diagnose(lab):
+    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
+    # YOUR CODE HERE
+    raise NotImplementedError("Lab 08: replace these two lines with your answer")
+
+
+# %%
+labs.check(lab, diagnose)
+
+# %% [markdown]
+# ## What comes next
+# [09 · Residual design: pre- versus post-activation, measured](09_residual_design.ipynb): a skip
+# connection is the usual cure for a [vanishing gradient](GLOSSARY.md#vanishing-and-exploding-gradients); 09 measures how clean its [identity path](GLOSSARY.md#identity-path) is.
+
+# %% [markdown]
+# ## Further reading
+# - [torch.Tensor.register_post_accumulate_grad_hook](https://docs.pytorch.org/docs/stable/generated/torch.Tensor.register_post_accumulate_grad_hook.html)
+# - [torch.Tensor.register_hook](https://docs.pytorch.org/docs/stable/generated/torch.Tensor.register_hook.html)
+# - [torch.nn.Module.register_full_backward_hook](https://docs.pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module.register_full_backward_hook)
+# - [Karpathy 2019, A Recipe for Training Neural Networks](https://karpathy.github.io/2019/04/25/recipe/)
+
+# %% [markdown]
+# ## Appendix: a broken skip connection and LayerNorm gradients
+# Two article numbers, measured and refuted: whether a skip concatenated without channel alignment
+# pushes a U-Net's decoder gradients below 1e-6 (L4), and whether LayerNorm gradients are 100-1000x
+# smaller than weight gradients (L5). They use the instruments of the main path on other models
+# and add no new way of reading them. Their verdicts are recorded like the others (`python -m labkit
+# claims` lists them), though the table above was printed before them.
+
+# %% [markdown]
+# ### Case L4: does a skip concatenated without channel alignment push decoder gradients below 1e-6?
 # **The claim**, in the catalogue's words:
 
 # %%
@@ -1074,7 +1246,7 @@ claims.check(
 # aligned model above runs in the decoder it was designed for and gets a gradient in every parameter.
 
 # %% [markdown]
-# ## Case L5: are LayerNorm gradients 100–1000x smaller than weight gradients?
+# ### Case L5: are LayerNorm gradients 100–1000x smaller than weight gradients?
 # **The claim**, in the catalogue's words:
 
 # %%
@@ -1158,169 +1330,6 @@ claims.check(
 # **The fix.** Compare gradient sizes per entry (RMS, or the tracer's `std`), not by norm, when two
 # parameters have different numbers of entries; and set alert thresholds from your own run's history
 # rather than from another model's "normal range".
-
-# %% [markdown]
-# ## Summary
-# - `GradTracer` reads each gradient in `register_post_accumulate_grad_hook` (L2: once per backward
-#   pass, after accumulation) and turns per-layer std, update:data ratios, saturation, dead units and
-#   missing gradients into alerts; `plot_grad_flow`, `plot_grad_stat` and `plot_grad_histograms`
-#   draw them.
-# - L1: the article's monitor, run as its code is written, is judged on its first alert that a
-#   capped healthy twin did not raise too, against the loss alarm (the verdict cell prints the lead
-#   and the measured cost). Its rule is blind to NaN and to missing gradients; its sampled log can
-#   miss a sparse spike that the full-std alert catches. In an uncapped warm-up the first layer's
-#   update:data ratio fires first (past 1e-2, long before the loss, but a capped run gets there too;
-#   past the capped run's plateau, a few dozen steps before the loss); the tracer's `exploding`
-#   alert, built for jumps, fires after the loss.
-# - A bias gradient does not see the Dropout mask in front of its layer (L3); std 0 means a
-#   normalisation right after it or dead units.
-# - `plot_grad_flow` does show the layers whose gradients are near zero (the tour's sigmoid stack);
-#   a skip concatenated without channel alignment crashes the decoder built for aligned channels,
-#   and with its channels merely out of order it trains with ordinary decoder gradients, not below
-#   1e-6 (L4).
-# - Compare gradients of differently sized parameters per entry: LayerNorm's are not 100x smaller
-#   per entry (L5).
-
-# %% [markdown]
-# ## Claims checked
-
-# %%
-claims.table()
-
-
-# %% [markdown]
-# ## Exercises
-# ### Exercise 08.1: read the accumulated gradient
-# `record_grad_norms(model)` should register, on every parameter, a hook that stores the norm of that
-# parameter's *accumulated* gradient (what `.grad` holds after the backward pass) in a dict under the
-# parameter's name, and return the dict and the hook handles. The version below uses
-# `Tensor.register_hook`, which sees only the gradient arriving from the current backward pass.
-
-# %%
-# planted bug for exercise 08.1
-def record_grad_norms(model):
-    """Hooks that keep, per parameter name, the norm of its accumulated .grad; returns (norms, handles)."""
-    norms, handles = {}, []
-    for name, param in model.named_parameters():
-        def store(grad, name=name):
-            norms[name] = grad.norm().item()
-        handles.append(param.register_hook(store))
-    return norms, handles
-
-
-# %%
-# The symptom: with three micro-batches the recorded norm is not the norm of .grad.
-torch.manual_seed(seed)
-demo = nn.Linear(4, 2)
-norms, handles = record_grad_norms(demo)
-for _ in range(3):
-    demo(torch.randn(8, 4)).pow(2).mean().backward()
-print(f"recorded {norms['weight']:.4f}, but weight.grad has norm {demo.weight.grad.norm():.4f}")
-for handle in handles:
-    handle.remove()
-
-
-# %% nbgrader={"grade": false, "grade_id": "exercise_08_1", "locked": false, "schema_version": 3, "solution": true}
-# exercise 08.1
-def record_grad_norms(model):
-    """Hooks that keep, per parameter name, the norm of its accumulated .grad; returns (norms, handles)."""
-    ### BEGIN SOLUTION
-    norms, handles = {}, []
-    for name, param in model.named_parameters():
-        def store(tensor, name=name):
-            norms[name] = tensor.grad.norm().item()
-        handles.append(param.register_post_accumulate_grad_hook(store))
-    return norms, handles
-    ### END SOLUTION
-
-
-# %% nbgrader={"grade": true, "grade_id": "check_08_1", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("08.1", record_grad_norms)
-
-
-# %% [markdown]
-# ### Exercise 08.2: a spike alert that sees NaN
-# `spike_alert(history, current, factor=3.0, window=5)` should return `True` when `current` is not
-# finite, or when it exceeds `factor` times the mean of the last `window` *finite* readings in
-# `history`; with fewer than `window` finite readings a finite `current` gives `False`. It must not
-# change `history`. The version below is the monitor's rule, which case L1 showed to be blind to NaN.
-
-# %%
-# planted bug for exercise 08.2
-def spike_alert(history, current, factor=3.0, window=5):
-    """True when `current` is non-finite or above factor x the mean of the last `window` finite readings."""
-    if len(history) < window:
-        return False
-    return current > factor * np.mean(history[-window:])
-
-
-# %%
-# The symptom: a NaN reading raises nothing, and after it a 100x jump raises nothing either.
-readings = [1.0, 1.1, 0.9, 1.0, 1.0]
-print("NaN reading alerts:", spike_alert(readings, math.nan))
-print("100x reading after a NaN entered the history alerts:", spike_alert(readings + [math.nan], 100.0))
-
-
-# %% nbgrader={"grade": false, "grade_id": "exercise_08_2", "locked": false, "schema_version": 3, "solution": true}
-# exercise 08.2
-def spike_alert(history, current, factor=3.0, window=5):
-    """True when `current` is non-finite or above factor x the mean of the last `window` finite readings."""
-    ### BEGIN SOLUTION
-    if not math.isfinite(current):
-        return True
-    finite = [value for value in history if math.isfinite(value)]
-    if len(finite) < window:
-        return False
-    return current > factor * float(np.mean(finite[-window:]))
-    ### END SOLUTION
-
-
-# %% nbgrader={"grade": true, "grade_id": "check_08_2", "locked": true, "points": 1, "schema_version": 3, "solution": false}
-grading.check("08.2", spike_alert)
-
-# %%
-grading.score()
-
-# %% [markdown]
-# ## Debugging lab 08: a deep network whose loss will not come down
-# A new run: a deep ReLU regression network trained for a few steps, with one defect drawn for you
-# from this notebook's family. `labs.start` prints what you would see (the loss and the held-out
-# loss), the causes you may choose from (decoys included) and the stages you may rewrite. The run
-# trained under a `GradTracer` with `activations=True`, which it hands you as `lab.tracer`;
-# investigate with it (its history, alerts, activation history and plots, as in the tour above), the
-# run's other objects (`lab.model`, `lab.losses`, `lab.x`, `lab.y`), plain PyTorch, and
-# `lab.rerun(stage=f)`. Then write `diagnose(lab)`: your diagnosis and the stage function you
-# rewrote (lab 00 shows the format). The check reruns the training with your stage and compares
-# the first layer's gradient and the held-out loss with the same training without the defect.
-
-# %% tags=["nbval-ignore-output"]
-from labkit import labs
-
-lab = labs.start("08")
-
-
-# %%
-# lab 08: your answer
-def diagnose(lab):
-    """Your diagnosis (one of lab.causes) and your repair (the stage function you rewrote, named after its stage)."""
-    # YOUR CODE HERE
-    raise NotImplementedError("Lab 08: replace these two lines with your answer")
-
-
-# %%
-labs.check(lab, diagnose)
-
-# %% [markdown]
-# ## What comes next
-# [09 · Residual design: pre- versus post-activation, measured](09_residual_design.ipynb): a skip
-# connection is the usual cure for a [vanishing gradient](GLOSSARY.md#vanishing-and-exploding-gradients); 09 measures how clean its [identity path](GLOSSARY.md#identity-path) is.
-
-# %% [markdown]
-# ## Further reading
-# - [torch.Tensor.register_post_accumulate_grad_hook](https://docs.pytorch.org/docs/stable/generated/torch.Tensor.register_post_accumulate_grad_hook.html)
-# - [torch.Tensor.register_hook](https://docs.pytorch.org/docs/stable/generated/torch.Tensor.register_hook.html)
-# - [torch.nn.Module.register_full_backward_hook](https://docs.pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module.register_full_backward_hook)
-# - [Karpathy 2019, A Recipe for Training Neural Networks](https://karpathy.github.io/2019/04/25/recipe/)
 
 # %% [markdown]
 # ## About this run
