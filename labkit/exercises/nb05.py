@@ -77,6 +77,7 @@ def _mode_fixture() -> nn.Sequential:
         ),
     ),
     planted="is in training mode, so every forward pass moves its running statistics",
+    answer_apart=True,
 )
 def check_set_finetune_mode(set_finetune_mode: Callable) -> str:
     """The model trains, the backbone's BatchNorm keeps its statistics, the head's BatchNorm learns its own."""

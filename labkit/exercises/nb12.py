@@ -128,6 +128,7 @@ def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> fl
         ),
     ),
     planted="the answer for rows drawn with replacement",
+    answer_apart=True,
 )
 def check_batch_for_noise(batch_for_noise: Callable) -> str:
     """For targets just above each batch size's exact noise, the answer must be that batch size."""
