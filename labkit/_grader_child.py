@@ -12,9 +12,13 @@ check (`_Namespaces`). The verdict goes back as one JSON line carrying the paren
 waits unread in the stdin pipe until the check is over; the process then ends at once (os._exit),
 so a learner's thread cannot keep it alive.
 
-What this does not stop: an answer written against this protocol, one that finds the stdin pipe
-among the open file descriptors, reads the nonce and writes a forged report before exiting.
-Closing that needs the checks to call the answer across a process boundary.
+For an exercise registered ``answer_apart=True`` this process is the judge only: before any learner
+code runs it forks the answer's own process (`labkit._answer_process`), which closes the request pipe
+(the nonce) and the result pipe, is confined as above, and serves the check's calls as data; no line of
+the learner's runs here. For any other exercise and for labs the answer runs here beside its check, and
+that is not protected: an answer written against this protocol can read the nonce from fd 0 and write a
+forged report, or patch what writes the report (`json.dumps`) or the check's own data (NF1, NF2 in
+tests/reliability/test_report_forgery.py, held there as strict xfails).
 """
 
 from __future__ import annotations
