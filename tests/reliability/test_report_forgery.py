@@ -6,9 +6,10 @@ parent's nonce from the request pipe (fd 0) and write a passing line to every op
 ``answer_apart=True`` runs its answer in a process of its own (`labkit._answer_process`): there the answer
 finds neither the nonce nor any descriptor the parent reads, nor the check's frames, and what it patches is
 not where the verdict is written. Those tests pass, and fail on the code before that process existed (both
-forgeries passed a wrong answer). An exercise whose check still shares the answer's process (00.1: its
-check observes the optimizer through a hook, which cannot fire across a process boundary) and the labs stay
-forgeable: their strict xfail keeps that in sight until they move too. One grading process each, no kernel.
+forgeries passed a wrong answer). An exercise whose check still shares the answer's process (00.2: its
+check counts backward passes with a hook on the answer's tensor and reads the autograd graph of what the
+answer returned, neither of which crosses a process boundary) and the labs stay forgeable: the strict xfail
+keeps that in sight until they move too. One grading process each, no kernel.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from labkit import grading
 
 pytestmark = pytest.mark.timeout(600, method="thread")
 
-# An exercise graded with its answer apart (06.1, one AdamW update), and one whose answer still shares the
-# grading process with its check (00.1).
-APART = ("06.1", "adamw_update")
-SHARED = ("00.1", "one_training_step")
+# An exercise graded with its answer apart (00.1, one SGD step), and one whose answer still shares the
+# grading process with its check (00.2).
+APART = ("00.1", "one_training_step")
+SHARED = ("00.2", "grad_of_each_call")
 
 # Reads the nonce the parent left in the request pipe, writes a passing verdict line to every open pipe, exits.
 THROUGH_THE_PIPES = """# exercise EXERCISE
@@ -84,11 +85,11 @@ def test_an_answer_apart_finds_no_frame_of_its_check():
     result = grading.grade_cell(APART[0], forging(THROUGH_THE_FRAMES, APART), APART[1])
     assert not result.passed
     assert f"{APART[1]} raised ValueError: {APART[1]} " in result.message  # its own frame, then the server's
-    assert "run_check" not in result.message and "check_adamw_update" not in result.message, result.message
+    assert "run_check" not in result.message and "check_one_training_step" not in result.message, result.message
 
 
 @pytest.mark.trial("extra")
-@pytest.mark.xfail(strict=True, reason="issue #42 (b): 00.1's answer still shares the grading process with its check")
+@pytest.mark.xfail(strict=True, reason="issue #42 (b): 00.2's answer still shares the grading process with its check")
 @pytest.mark.parametrize("answer", [THROUGH_THE_PIPES, THROUGH_THE_ENCODER], ids=["pipes", "encoder"])
 def test_an_answer_beside_its_check_cannot_write_its_own_verdict(answer):
     result = grading.grade_cell(SHARED[0], forging(answer, SHARED), SHARED[1])
