@@ -195,6 +195,8 @@ def _stateful(value, found: list | None = None, seen: set | None = None) -> list
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
                 found.append(tensor)
+        for hook in (h for m in value.modules() for hooks in _hook_dicts(m) for h in hooks.values()):
+            _stateful(hook, found, seen)  # a check's `labkit.exercises.Recorder` brings its notes back
     elif isinstance(value, list | tuple | dict):
         if not isinstance(value, tuple):
             found.append(value)
@@ -203,6 +205,10 @@ def _stateful(value, found: list | None = None, seen: set | None = None) -> list
     elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
         found.append(value)
     return found
+
+
+def _hook_dicts(module: nn.Module) -> tuple[dict, ...]:
+    return (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
 
 
 def _tensor_state(tensor: torch.Tensor | None):

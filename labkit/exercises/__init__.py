@@ -147,6 +147,28 @@ def torch_error_clause(error: RuntimeError) -> str:
     return str(error).split(":")[0].strip()
 
 
+class Recorder:
+    """A hook a check registers on a module it passes to the answer: each call notes ``note(*hook_args)``.
+
+    Unlike a closure it is picklable (``note`` must be a module-level function) and carries its notes in a
+    state_dict, so when the answer runs in a process of its own (``answer_apart``) the hook fires there
+    and its notes come back into this recorder's ``notes``, the same list object.
+    """
+
+    def __init__(self, note: Callable) -> None:
+        self.note = note
+        self.notes: list = []
+
+    def __call__(self, *hook_args) -> None:
+        self.notes.append(self.note(*hook_args))
+
+    def state_dict(self) -> dict:
+        return {"notes": list(self.notes)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.notes[:] = state["notes"]
+
+
 def by_how_much(difference: float) -> str:
     """``"by 0.022"``, or, when the difference is NaN or infinite, that the learner's values became so.
 
