@@ -228,7 +228,7 @@ def _state(item, arguments: list):
     if isinstance(item, torch.Tensor):
         return ("tensor", _tensor_state(item))
     if isinstance(item, nn.Module):
-        return ("module", [(m.training, [(name, _tensor_state(t)) for name, t in m._parameters.items()],
+        return ("module", [(_settings(m), [(name, _tensor_state(t)) for name, t in m._parameters.items()],
                             [(name, _tensor_state(t)) for name, t in m._buffers.items()]) for m in item.modules()])
     if isinstance(item, list | dict):
         return ("items", _encode_items(item, arguments))
@@ -270,12 +270,19 @@ def _set_tensor(tensor: torch.Tensor, state) -> None:
         tensor.grad.copy_(grad)
 
 
+def _settings(module: nn.Module) -> list[tuple[str, object]]:
+    """A module's plain settings: ``training`` and its public numbers, strings and flags (a BatchNorm's momentum)."""
+    return [(key, value) for key, value in vars(module).items()
+            if not key.startswith("_") and type(value) in (bool, int, float, str, type(None))]
+
+
 def _set_module(module: nn.Module, state) -> None:
     modules = list(module.modules())
     if len(modules) != len(state):
         raise RuntimeError("the answer changed which layers the module holds; the check cannot follow that")
-    for m, (training, parameters, buffers) in zip(modules, state):
-        m.training = training
+    for m, (settings, parameters, buffers) in zip(modules, state):
+        for key, value in settings:
+            setattr(m, key, value)
         for name, tensor_state in parameters:
             _set_entry(m._parameters, name, tensor_state, parameter=True)
         for name, tensor_state in buffers:

@@ -40,6 +40,7 @@ def test_changes_to_the_arguments_come_back_into_the_judges_own_objects():
         model(torch.randn(4, 3)).sum().backward()
         optimizer.step()
         model.eval()
+        model[1].momentum = None
         grads.append(torch.full((2,), 7.0))
         grads[0].mul_(3)
         return model[0].weight, float(model[0].weight.grad.sum())
@@ -47,7 +48,7 @@ def test_changes_to_the_arguments_come_back_into_the_judges_own_objects():
     returned, grad_sum = across(answer, model, optimizer, grads)
     assert returned is weight  # an argument comes back as itself, not a copy
     assert weight.grad is not None and float(weight.grad.sum()) == grad_sum
-    assert not model.training and not model[1].training
+    assert not model.training and not model[1].training and model[1].momentum is None  # plain settings too
     assert int(model[1].num_batches_tracked) == 1  # a buffer the forward changed
     assert "momentum_buffer" in optimizer.state[weight]
     assert [g.tolist() for g in grads] == [[3.0, 3.0], [7.0, 7.0]]
