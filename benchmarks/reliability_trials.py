@@ -434,24 +434,46 @@ def pg30(work):
 
 # ---- the nonce: a report the answer writes itself (issue #42 (b)) -------------------------------------
 
-def forged_answer(name: str) -> str:
-    """One of the two forging answer cells, as tests/reliability/test_report_forgery.py holds them (one copy)."""
+def forgery_module():
+    """tests/reliability/test_report_forgery.py, which holds the forging answer cells (one copy)."""
     spec = importlib.util.spec_from_file_location("report_forgery", ROOT / "tests/reliability/test_report_forgery.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return getattr(module, name)
+    return module
+
+
+def forge_every_exercise(template: str) -> tuple[str, str]:
+    """The forging cell as the answer of every exercise of the workbook: forged where the answer shares the
+    grading process with its check, refused where it runs apart (``answer_apart``)."""
+    from labkit.exercises import registry
+
+    forgeries = forgery_module()
+    functions = {eid: cells.function for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+                 for eid, cells in exercises(path.name).items()}
+    forged, refused = [], []
+    for eid, function in functions.items():
+        result = grade_any(eid, forgeries.forging(getattr(forgeries, template), (eid, function)), function)
+        (forged if result.passed else refused).append(eid)
+    apart = [eid for eid in functions if registry()[eid].answer_apart]
+    seen = (f"forged on {len(forged)} of {len(functions)} exercises ({', '.join(forged) or 'none'}); refused on "
+            f"{len(refused)} ({', '.join(refused) or 'none'})"
+            + (", exactly those graded with the answer apart" if refused == apart else f"; graded apart: {', '.join(apart)}"))
+    return (WRONG if forged else OK), seen
+
+
+def grade_any(exercise_id: str, source: str, function: str):
+    from labkit import grading
+    return grading.grade_cell(exercise_id, source, function)
 
 
 @trial("NF1")
 def nf1(work):
-    result = grade("00.1", forged_answer("THROUGH_THE_PIPES"))
-    return (WRONG if result.passed else OK), f"{'passed' if result.passed else 'not yet'}: {result.message[:160]}"
+    return forge_every_exercise("THROUGH_THE_PIPES")
 
 
 @trial("NF2")
 def nf2(work):
-    result = grade("00.1", forged_answer("THROUGH_THE_ENCODER"))
-    return (WRONG if result.passed else OK), f"{'passed' if result.passed else 'not yet'}: {result.message[:160]}"
+    return forge_every_exercise("THROUGH_THE_ENCODER")
 
 
 # ---- 1b. course create -------------------------------------------------------------------------------

@@ -12,14 +12,19 @@ check (`_Namespaces`). The verdict goes back as one JSON line carrying the paren
 waits unread in the stdin pipe until the check is over; the process then ends at once (os._exit),
 so a learner's thread cannot keep it alive.
 
-What this does not stop: an answer written against this protocol, one that finds the stdin pipe
-among the open file descriptors, reads the nonce and writes a forged report before exiting.
-Closing that needs the checks to call the answer across a process boundary.
+For an exercise registered ``answer_apart=True`` this process is the judge only: before any learner
+code runs it forks the answer's own process (`labkit._answer_process`), which closes the request pipe
+(the nonce) and the result pipe, is confined as above, and serves the check's calls as data; no line of
+the learner's runs here. For any other exercise and for labs the answer runs here beside its check, and
+that is not protected: an answer written against this protocol can read the nonce from fd 0 and write a
+forged report, or patch what writes the report (`json.dumps`) or the check's own data (NF1, NF2 in
+tests/reliability/test_report_forgery.py, held there as strict xfails).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import multiprocessing
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 
 import labkit.grading as grading
+from labkit import _answer_process
 from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _time_limit
 from labkit.exercises import registry
 from labkit.labs import _isolated
@@ -74,11 +80,15 @@ def main() -> None:
     results.flush()
     # a lab whose training runs in worker processes (DataLoader workers, gloo ranks) may fork and stop its own
     allowed = _isolated.process_events(request["lab"]) if "lab" in request else ()
-    sys.addaudithook(_audit_hook(os.path.realpath(request["scratch"]), request["forbidden"], allowed))
-    if "lab" in request:
-        verdict = _verdict(_isolated.judge(request, prepared, namespaces, _time_limit))
+    confine = functools.partial(_confine, request, allowed)
+    if "lab" not in request and registry()[request["exercise"]].answer_apart:
+        verdict = _grade_apart(request, _answer_process.start(request, confine))  # no learner code runs here
     else:
-        verdict = _grade(request, namespaces)
+        confine()
+        if "lab" in request:
+            verdict = _verdict(_isolated.judge(request, prepared, namespaces, _time_limit))
+        else:
+            verdict = _grade(request, namespaces)
     # The nonce waited in the pipe, out of reach of the answer's Python objects and frames.
     results.write(json.dumps({"nonce": _read_line(0), **verdict}) + "\n")
     results.flush()
@@ -108,6 +118,36 @@ def _grade(request: dict, namespaces: _Namespaces) -> dict:
                                           try_number=request["try_number"], follow_up=request["follow_up"]))
     except KeyboardInterrupt as error:  # raised by the answer: no Ctrl-C reaches this process's own session
         return _verdict(grading._not_yet(spec, f"{function} raised {describe_error(error, grading.MAX_ERROR_CHARS)}"))
+
+
+def _confine(request: dict, allowed: tuple[str, ...]) -> None:
+    """From here on, in this process, what learner code may not do is refused (`_audit_hook`)."""
+    sys.addaudithook(_audit_hook(os.path.realpath(request["scratch"]), request["forbidden"], allowed))
+
+
+def _grade_apart(request: dict, answer: _answer_process.AnswerProcess) -> dict:
+    """The check here, the answer in its own process (`labkit._answer_process`), which ends with it."""
+    spec, function = grading._lookup(request["exercise"]), request["function"]
+    try:
+        ran, detail = answer.cell()
+        if ran == "timed_out":
+            return _verdict(grading._not_yet(spec, f"the exercise cell did not finish within {detail}"))
+        if ran == "raised":
+            return _verdict(grading._not_yet(spec, f"the exercise cell raised {detail}"))
+        if ran == "undefined":
+            return _verdict(grading._not_yet(spec, f"the exercise cell does not define {function} any more",
+                                             hint=f"keep the line 'def {function}(' of the student edition"))
+
+        def call_the_answer(*args, **kwargs):
+            return answer.call(*args, **kwargs)
+
+        call_the_answer.__name__ = function
+        return _verdict(grading.run_check(spec.id, call_the_answer, time_limit_s=request["time_limit_s"],
+                                          try_number=request["try_number"], follow_up=request["follow_up"]))
+    except KeyboardInterrupt as error:  # the answer's own, come across as data
+        return _verdict(grading._not_yet(spec, f"{function} raised {describe_error(error, grading.MAX_ERROR_CHARS)}"))
+    finally:
+        answer.end()
 
 
 def _read_line(fd: int) -> str:

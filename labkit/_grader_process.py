@@ -8,6 +8,9 @@ the answer cell's *source*, in its own session (the whole group is killed at the
 started outlives it), in a scratch folder that is deleted afterwards, with its CPU time, memory and
 file sizes capped, and under a wall-clock bound here. The result comes back as one JSON line with a
 nonce this process chose; an exit, a crash, a hang or a missing line is a verdict about that answer alone.
+The nonce authenticates only a process the answer never ran in: an exercise registered ``answer_apart``
+runs its answer in a further process that holds neither the nonce nor the result pipe
+(`labkit._answer_process`); for the others the answer shares the grading process (`labkit._grader_child`).
 """
 
 from __future__ import annotations

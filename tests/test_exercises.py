@@ -168,6 +168,25 @@ def test_a_likely_wrong_answer_gets_the_diagnosis_of_its_own_mistake(cells, entr
     assert grading_crash(cells.function, problem) is None, result.message
 
 
+APART_CASES = [pytest.param(case.values[0], id=case.id) for case in CASES
+               if exercises.registry()[case.values[0].exercise].answer_apart]
+
+
+@pytest.mark.parametrize("cells", APART_CASES)
+def test_an_answer_graded_apart_gets_the_verdict_it_gets_beside_its_check(cells):
+    # answer_apart=True: the grading process calls the answer in a process of its own (labkit._answer_process),
+    # so the solution, the planted bug, the variants and every catalogued mistake must come back as data that
+    # gives the very verdict they get in one process (the same diagnosis, word for word)
+    variant = VARIANTS[cells.exercise]
+    cells_to_grade = {"solution": cells.solution, "planted bug": cells.planted_bug,
+                      "alternative": variant.alternative, "dodge": variant.dodge}
+    cells_to_grade |= {entry.label: entry.answer for entry in MISTAKES.get(cells.exercise, [])}
+    for label, source in cells_to_grade.items():
+        apart = grading.grade_cell(cells.exercise, source, cells.function)
+        beside = grading.run_check(cells.exercise, define(source, cells.function))
+        assert (apart.passed, apart.message) == (beside.passed, beside.message), label
+
+
 def hint_of(message: str) -> str:
     return message.split(". Hint: ", 1)[1]
 

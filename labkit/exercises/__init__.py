@@ -58,12 +58,15 @@ class Exercise:
     hint: Hint
     planted: str
     check: Callable[[Callable], str]
+    # the check calls the answer in a process of its own, with arguments and results passed as data
+    answer_apart: bool = False
 
 
 _REGISTRY: dict[str, Exercise] = {}
 
 
-def exercise(exercise_id: str, *, notebook: str, title: str, hint: Hint, planted: str) -> Callable:
+def exercise(exercise_id: str, *, notebook: str, title: str, hint: Hint, planted: str,
+             answer_apart: bool = False) -> Callable:
     """Register the decorated function as the check for ``exercise_id``.
 
     The ID is ``NN.K`` where ``NN`` is the notebook's number: ``00.1`` is the first exercise of notebook 00.
@@ -71,6 +74,10 @@ def exercise(exercise_id: str, *, notebook: str, title: str, hint: Hint, planted
     tests/test_exercises.py runs the planted-bug cell and fails unless the check rejects it for
     that reason, not because something crashed. ``hint`` is one sentence or, better, a tuple of
     them from a nudge to the recipe: the n-th failed try in a session shows the n-th (see `Hint`).
+    ``answer_apart=True`` says the check needs of the answer only what crosses a process boundary as
+    data (arguments and results that are tensors, numbers, containers, modules and optimizers changed in
+    place; no hook of the check's firing inside the answer, no autograd graph of a result): the grading
+    process then runs the answer in a process of its own (`labkit._answer_process`), out of the check's reach.
     """
 
     _validate_id(exercise_id, notebook)
@@ -88,7 +95,7 @@ def exercise(exercise_id: str, *, notebook: str, title: str, hint: Hint, planted
                 f"exercise {exercise_id} is registered twice ({existing.check.__module__} and "
                 f"{check.__module__}): give the new one the next free number"
             )
-        _REGISTRY[exercise_id] = Exercise(exercise_id, notebook, title, hint, planted, check)
+        _REGISTRY[exercise_id] = Exercise(exercise_id, notebook, title, hint, planted, check, answer_apart)
         return check
 
     return register
@@ -138,6 +145,28 @@ def torch_error_clause(error: RuntimeError) -> str:
     tensor types and versions) names the failure; checks quote it and never branch on it.
     """
     return str(error).split(":")[0].strip()
+
+
+class Recorder:
+    """A hook a check registers on a module it passes to the answer: each call notes ``note(*hook_args)``.
+
+    Unlike a closure it is picklable (``note`` must be a module-level function) and carries its notes in a
+    state_dict, so when the answer runs in a process of its own (``answer_apart``) the hook fires there
+    and its notes come back into this recorder's ``notes``, the same list object.
+    """
+
+    def __init__(self, note: Callable) -> None:
+        self.note = note
+        self.notes: list = []
+
+    def __call__(self, *hook_args) -> None:
+        self.notes.append(self.note(*hook_args))
+
+    def state_dict(self) -> dict:
+        return {"notes": list(self.notes)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.notes[:] = state["notes"]
 
 
 def by_how_much(difference: float) -> str:

@@ -37,6 +37,7 @@ TOLERANCE = 1e-6
         "call optimizer.zero_grad() before loss.backward(), so each step uses only this batch's gradient",
     ),
     planted="moved as if .grad still held the gradients of earlier backward passes",
+    answer_apart=True,
 )
 def check_one_training_step(one_training_step: Callable) -> str:
     """Three steps of the learner's function must match SGD on fresh gradients, step by step."""
@@ -44,18 +45,36 @@ def check_one_training_step(one_training_step: Callable) -> str:
     start = [parameter.detach().clone() for parameter in model.parameters()]
     clean_params, clean_losses = _sgd_reference(start, leftover, batches, keep_old_grads=False)
     piled_params, _ = _sgd_reference(start, leftover, batches, keep_old_grads=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    grads_at_step: list[bool] = []  # per optimizer.step() call: did any parameter hold a gradient then?
-    optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: grads_at_step.append(any(_holds_gradient(p) for p in model.parameters()))
-    )
+    optimizer = _WatchedSGD(model.parameters(), lr=LEARNING_RATE)
     for step, (x, y) in enumerate(batches, start=1):
-        grads_at_step.clear()
+        optimizer.grads_at_step.clear()
         loss = one_training_step(model, optimizer, x, y)
         _require_loss(loss, clean_losses[step - 1], step)
         params = [parameter.detach() for parameter in model.parameters()]
-        _require_step(params, start, clean_params[step - 1], piled_params[step - 1], step, grads_at_step)
+        _require_step(params, start, clean_params[step - 1], piled_params[step - 1], step, optimizer.grads_at_step)
     return f"{STEPS} steps match SGD on fresh gradients to {TOLERANCE:g}, even with an old gradient left in .grad"
+
+
+class _WatchedSGD(torch.optim.SGD):
+    """SGD that notes, at each step() call, whether any parameter held a gradient then. The note travels in
+    its state_dict, so the check reads it also when the answer ran in a process of its own (answer_apart)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.grads_at_step: list[bool] = []
+
+    def step(self, closure=None):
+        parameters = [p for group in self.param_groups for p in group["params"]]
+        self.grads_at_step.append(any(_holds_gradient(p) for p in parameters))
+        return super().step(closure)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "grads_at_step": list(self.grads_at_step)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        self.grads_at_step = list(state.pop("grads_at_step", []))
+        super().load_state_dict(state)
 
 
 def _step_fixture() -> tuple[nn.Linear, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:

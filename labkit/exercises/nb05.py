@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import Hint, NotYet, exercise
+from labkit.exercises import Hint, NotYet, Recorder, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -77,6 +77,7 @@ def _mode_fixture() -> nn.Sequential:
         ),
     ),
     planted="is in training mode, so every forward pass moves its running statistics",
+    answer_apart=True,
 )
 def check_set_finetune_mode(set_finetune_mode: Callable) -> str:
     """The model trains, the backbone's BatchNorm keeps its statistics, the head's BatchNorm learns its own."""
@@ -191,6 +192,7 @@ def _eval_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
         ),
     ),
     planted="an exponential average over a few batches still remembers the old statistics",
+    answer_apart=True,
 )
 def check_recalibrate_batchnorm(recalibrate_batchnorm: Callable) -> str:
     """Running statistics must match the new data's; parameters, gradients and momenta stay as they were."""
@@ -221,26 +223,36 @@ def check_recalibrate_batchnorm(recalibrate_batchnorm: Callable) -> str:
 @contextmanager
 def _watching_training_forwards(model: nn.Module) -> Iterator[dict[str, list[tuple[float | None, int]]]]:
     """Per BatchNorm layer, (momentum, num_batches_tracked, whether a Dropout before it was in train mode) at
-    each forward pass it ran in training mode."""
+    each forward pass it ran in training mode; filled in when the block ends."""
     forwards: dict[str, list[tuple[float | None, int, bool]]] = {}
     modules = list(model.modules())
-
-    def watch(name: str) -> Callable:
-        layer_at = modules.index(model.get_submodule(name))
+    recorders = {}
+    for name, layer in _batchnorm_layers(model):
+        layer_at = modules.index(layer)
         dropouts = [module for module in modules[:layer_at] if isinstance(module, DROPOUTS)]
-
-        def record(layer: nn.Module, args: tuple) -> None:
-            if layer.training:
-                dropping = any(dropout.training for dropout in dropouts)
-                forwards.setdefault(name, []).append((layer.momentum, int(layer.num_batches_tracked), dropping))
-        return record
-
-    handles = [layer.register_forward_pre_hook(watch(name)) for name, layer in _batchnorm_layers(model)]
+        recorders[name] = Recorder(_TrainingForward(dropouts))  # picklable: it fires in the answer's process too
+    handles = [layer.register_forward_pre_hook(recorders[name]) for name, layer in _batchnorm_layers(model)]
     try:
         yield forwards
     finally:
         for handle in handles:
             handle.remove()
+        for name, recorder in recorders.items():
+            if any(note is not None for note in recorder.notes):
+                forwards[name] = [note for note in recorder.notes if note is not None]
+
+
+class _TrainingForward:
+    """What a BatchNorm layer's forward in training mode looks like: its momentum, its batch count, and whether
+    a Dropout before it drops; None for a forward in eval mode."""
+
+    def __init__(self, dropouts: list[nn.Module]) -> None:
+        self.dropouts = dropouts
+
+    def __call__(self, layer: nn.Module, args: tuple) -> tuple[float | None, int, bool] | None:
+        if not layer.training:
+            return None
+        return (layer.momentum, int(layer.num_batches_tracked), any(dropout.training for dropout in self.dropouts))
 
 
 def _require_statistics_of(

@@ -47,6 +47,7 @@ GROUP_LR = 0.1
         ),
     ),
     planted="that is claim E1's legacy Adam, not AdamW",
+    answer_apart=True,
 )
 def check_adamw_update(adamw_update: Callable) -> str:
     """Five steps of the learner's update must match torch.optim.AdamW on the same gradients."""
@@ -180,6 +181,7 @@ def _require_close(got: object, want: torch.Tensor, what: str, hint: Hint | None
         ),
     ),
     planted="biases and normalisation parameters should get weight_decay 0.0",
+    answer_apart=True,
 )
 def check_layerwise_param_groups(layerwise_param_groups: Callable) -> str:
     """Under AdamW with zero gradients, each parameter must shrink by exactly its intended decay."""

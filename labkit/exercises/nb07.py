@@ -37,6 +37,7 @@ LEARNING_RATE = 0.1
         ),
     ),
     planted="each tensor was scaled by its own factor",
+    answer_apart=True,
 )
 def check_clip_total_norm(clip_total_norm_: Callable) -> str:
     """Against torch's clip_grad_norm_ on three fixtures: one clipped, one left alone, one single tensor."""
@@ -112,6 +113,7 @@ def _require_clipped(
         "a NaN norm is not equal to inf; test with torch.isfinite(total) (or math.isfinite), which is False for both",
     ),
     planted="with a NaN value in one gradient, your function changed the weights",
+    answer_apart=True,
 )
 def check_guarded_step(guarded_step: Callable) -> str:
     """A NaN and an inf gradient must leave the weights alone; a finite one must clip and step."""

@@ -164,6 +164,7 @@ def _close(got: float, want: float) -> bool:
         ),
     ),
     planted="for a NaN reading, your function returned",
+    answer_apart=True,
 )
 def check_spike_alert(spike_alert: Callable) -> str:
     """Table-driven: finite spikes, NaN and inf readings, NaN in the history, short histories."""

@@ -119,6 +119,7 @@ def _call(prenorm_sublayer: Callable, x: torch.Tensor, norm: nn.Module, sublayer
         "count every entry that is not zero, (grad != 0): a negative gradient entry survived just as well",
     ),
     planted="of the input gradient's entries are not zero",
+    answer_apart=True,
 )
 def check_gradient_survival(gradient_survival: Callable) -> str:
     """Against exact answers: an identity, a ReLU on half-negative inputs, and a linear map."""

@@ -37,6 +37,7 @@ SMALL = 1e-3
         ),
     ),
     planted="is a match, but grads_match returned False",
+    answer_apart=True,
 )
 def check_grads_match(grads_match: Callable) -> str:
     """Rounding-only differences must pass, for large and for small gradients; a wrong subgradient, a 1 % error

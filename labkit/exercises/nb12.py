@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, by_how_much, exercise
+from labkit.exercises import NotYet, Recorder, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -42,6 +42,7 @@ TOLERANCE = 1e-10
         ),
     ),
     planted="the micro-batch losses were added where they should be averaged",
+    answer_apart=True,
 )
 def check_global_batch_gradient(global_batch_gradient: Callable) -> str:
     """For each split of 24 rows, .grad must equal the 24-row batch gradient, one micro-batch per forward."""
@@ -73,9 +74,14 @@ def _split_fixture() -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
 
 
 def _count_rows(model: nn.Module) -> list[int]:
-    rows: list[int] = []
-    model.register_forward_pre_hook(lambda module, args: rows.append(len(args[0])))
-    return rows
+    """The rows of each forward of ``model`` from now on (a `Recorder`, so it counts in the answer's process too)."""
+    recorder = Recorder(_rows_in)
+    model.register_forward_pre_hook(recorder)
+    return recorder.notes
+
+
+def _rows_in(module: nn.Module, args: tuple) -> int:
+    return len(args[0])
 
 
 def _require_rows(rows: list[int], micro_rows: int, devices: int, steps: int) -> None:
@@ -128,6 +134,7 @@ def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> fl
         ),
     ),
     planted="the answer for rows drawn with replacement",
+    answer_apart=True,
 )
 def check_batch_for_noise(batch_for_noise: Callable) -> str:
     """For targets just above each batch size's exact noise, the answer must be that batch size."""

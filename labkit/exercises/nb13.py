@@ -146,6 +146,7 @@ def _require_mean(result: object, expected: float, row_weighted: float) -> None:
         ),
     ),
     planted="includes the parameters",
+    answer_apart=True,
 )
 def check_activation_bytes(activation_bytes: Callable) -> str:
     """Equal to memory.saved_bytes on two blocks the notebook does not show; a wrong count is diagnosed."""

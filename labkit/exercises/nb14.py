@@ -109,6 +109,7 @@ SHARDING_CASES = ((0, 12, 2), (0, 10, 3), (5, 12, 2), (0, 2, 4), (7, 8, 1), (3, 
         ),
     ),
     planted="came more than once",
+    answer_apart=True,
 )
 def check_worker_items(worker_items: Callable) -> str:
     """For several ranges and worker counts, the workers' items must cover the range exactly once."""

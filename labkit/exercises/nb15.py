@@ -258,6 +258,7 @@ RESHUFFLE_CHECKED_FROM = 32
         ),
     ),
     planted="no rank reads",
+    answer_apart=True,
 )
 def check_rank_shards(rank_shards: Callable) -> str:
     """Shards must cover the files with equal lengths, repeat for a seed, and change with the epoch."""

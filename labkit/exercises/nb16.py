@@ -201,6 +201,7 @@ DEFICITS = (2.5, 4.5)
         ),
     ),
     planted="over the budget",
+    answer_apart=True,
 )
 def check_blocks_to_checkpoint(blocks_to_checkpoint: Callable) -> str:
     """Each budget met, measured with the plan applied, by checkpointing no more blocks than needed."""

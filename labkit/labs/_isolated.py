@@ -14,7 +14,9 @@ only fail its own lab. The learner's kernel (`labs.check`), nbgrader's autograde
 
 What this does not stop, as for exercises (`labkit._grader_child`): a thread the repair starts that keeps
 patching between two restores, an in-place change to a list inside a reference run's trace, and an answer
-written against the grading protocol itself.
+written against the grading protocol itself (it shares the grading process with the check, so it can
+write its own verdict: the repair is a training stage whose outputs the rerun backpropagates through, which
+`labkit._answer_process` cannot carry across a process boundary).
 """
 
 from __future__ import annotations

@@ -270,3 +270,46 @@ def test_a_zygote_that_ended_is_replaced_and_an_interrupted_check_leaves_no_stal
     monkeypatch.undo()
     assert "exit code 3" in grade("00.1", "import os\nos._exit(3)\n").message
     assert grade("00.1", answer_cell("00.1")).passed
+
+
+# --- an answer graded apart (labkit._answer_process): its own process, confined as the grading process was ---
+
+APART = "06.1"  # registered answer_apart=True: the check calls adamw_update across a process boundary
+APART_FUNCTION = "adamw_update"
+
+
+def apart_cell(body: str, prelude: str = "") -> str:
+    """An answer cell for 06.1 whose function runs ``body`` (indented lines) when the check calls it."""
+    return f"# exercise {APART}\n{prelude}\ndef {APART_FUNCTION}(*args, **kwargs):\n{body}\n"
+
+
+def test_an_answer_apart_is_refused_what_an_answer_must_not_do_and_holds_no_pipe_of_the_grader():
+    tries = "".join(f"    try:\n        exec({code!r})\n    except (PermissionError, MemoryError):\n"
+                    f"        refused.append({name!r})\n" for name, code in FORBIDDEN.items())
+    body = ("    import os\n    refused = []\n" + tries +
+            "    raise ValueError('/'.join(refused) + f' stdin {os.read(0, 1)!r}')\n")
+    result = grading.grade_cell(APART, apart_cell(body), APART_FUNCTION)
+    # every refusal as in the grading process; fd 0 is /dev/null, not the pipe that holds the nonce
+    assert f"{APART_FUNCTION} raised ValueError: {'/'.join(FORBIDDEN)} stdin b''" in result.message
+    assert not Path("/tmp/labkit-isolation-pwned").exists()
+    assert not _processes_running(SLEEPER)
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    ("    import os\n    os.abort()", "crashed the grading process (SIGABRT)"),
+    ("    import os\n    os._exit(3)", "ended the grading process (exit code 3)"),
+    ("    raise KeyboardInterrupt('stop')", f"{APART_FUNCTION} raised KeyboardInterrupt: stop"),
+    ("    import signal\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n    while True:\n        pass",
+     "(the grader stopped it)"),
+], ids=["a crash", "an exit", "KeyboardInterrupt", "an endless loop that ignores the alarm"])
+def test_an_answer_apart_that_crashes_exits_or_loops_is_a_verdict(body, said, short_limit):
+    result = grading.grade_cell(APART, apart_cell(body), APART_FUNCTION)
+    assert not result.passed
+    assert said in result.message, result.message
+
+
+def test_an_answer_apart_that_sleeps_in_the_call_is_stopped_by_the_wall_clock(short_limit):
+    body = "    import time\n    while True:\n        try:\n            time.sleep(0.5)\n        except BaseException:\n            pass"
+    result = grading.grade_cell(APART, apart_cell(body), APART_FUNCTION)
+    assert not result.passed
+    assert "6 s of waiting" in result.message, result.message

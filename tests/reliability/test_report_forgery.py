@@ -1,12 +1,15 @@
-"""The forgery gap of the grading process (issue #42 (b)), kept in sight until it is closed.
+"""Report forgery (issue #42 (b), review rows NF1 and NF2): can an answer write its own passing verdict?
 
-The verdict of an answer is computed in a process of its own (`labkit._grader_process`), but in the same
-process as the answer: the answer's code can write the verdict line itself. Its nonce waits in the request
-pipe (fd 0), which the answer can read, and the line is encoded with `json.dumps`, which the answer can
-replace. Both forgeries below pass an answer that is wrong. They fail (xfail, strict) until the checks call
-the answer across a process boundary (benchmarks/results/reliability_trials.md, "The nonce"); a fix makes
-them pass, and strict xfail then reports it, so the marks must go with the fix. One grading process each, no
-kernel.
+In one grading process the answer and its check share the address space, so the answer can (NF1) read the
+parent's nonce from the request pipe (fd 0) and write a passing line to every open pipe, or (NF2) replace
+`json.dumps`, which the grading process then encodes its own verdict with. An exercise registered with
+``answer_apart=True`` runs its answer in a process of its own (`labkit._answer_process`): there the answer
+finds neither the nonce nor any descriptor the parent reads, nor the check's frames, and what it patches is
+not where the verdict is written. Those tests pass, and fail on the code before that process existed (both
+forgeries passed a wrong answer). An exercise whose check still shares the answer's process (00.2: its
+check counts backward passes with a hook on the answer's tensor and reads the autograd graph of what the
+answer returned, neither of which crosses a process boundary) and the labs stay forgeable: the strict xfail
+keeps that in sight until they move too. One grading process each, no kernel.
 """
 
 from __future__ import annotations
@@ -17,13 +20,21 @@ from labkit import grading
 
 pytestmark = pytest.mark.timeout(600, method="thread")
 
+# An exercise graded with its answer apart (00.1, one SGD step), and one whose answer still shares the
+# grading process with its check (00.2).
+APART = ("00.1", "one_training_step")
+SHARED = ("00.2", "grad_of_each_call")
+
 # Reads the nonce the parent left in the request pipe, writes a passing verdict line to every open pipe, exits.
-THROUGH_THE_PIPES = """# exercise 00.1
+THROUGH_THE_PIPES = """# exercise EXERCISE
 import os, json
-def one_training_step(model, optimizer, x, y):
+def FUNCTION(*args, **kwargs):
     nonce = b''
     while not nonce.endswith(b'\\n'):
-        nonce += os.read(0, 1)
+        byte = os.read(0, 1)
+        if not byte:
+            break
+        nonce += byte
     line = json.dumps({'nonce': nonce.decode().strip(), 'passed': True, 'message': 'forged', 'recipe_shown': False})
     for fd in range(3, 64):
         try:
@@ -33,9 +44,9 @@ def one_training_step(model, optimizer, x, y):
     os._exit(0)
 """
 # Replaces json.dumps while the check runs; the grading process then encodes its own verdict with it.
-THROUGH_THE_ENCODER = """# exercise 00.1
+THROUGH_THE_ENCODER = """# exercise EXERCISE
 import json
-def one_training_step(model, optimizer, x, y):
+def FUNCTION(*args, **kwargs):
     real = json.dumps
     def forged(value, *args, **kwargs):
         if isinstance(value, dict) and 'nonce' in value:
@@ -44,11 +55,42 @@ def one_training_step(model, optimizer, x, y):
     json.dumps = forged
     raise ValueError('wrong')
 """
+# Names every function on the stack it was called from: in one process, the check's own frames are there.
+THROUGH_THE_FRAMES = """# exercise EXERCISE
+import sys
+def FUNCTION(*args, **kwargs):
+    frame, names = sys._getframe(), []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    raise ValueError(' '.join(names))
+"""
+
+
+def forging(template: str, exercise: tuple[str, str]) -> str:
+    """``template`` as an answer cell of ``exercise`` (its ID and function)."""
+    return template.replace("EXERCISE", exercise[0]).replace("FUNCTION", exercise[1])
 
 
 @pytest.mark.trial("extra")
-@pytest.mark.xfail(strict=True, reason="issue #42 (b): the answer shares the grading process with its check")
 @pytest.mark.parametrize("answer", [THROUGH_THE_PIPES, THROUGH_THE_ENCODER], ids=["pipes", "encoder"])
-def test_an_answer_cannot_write_its_own_verdict(answer):
-    result = grading.grade_cell("00.1", answer, "one_training_step")
+def test_an_answer_apart_cannot_write_its_own_verdict(answer):
+    result = grading.grade_cell(APART[0], forging(answer, APART), APART[1])
+    assert not result.passed, result.message
+    assert "forged" not in result.message
+
+
+@pytest.mark.trial("extra")
+def test_an_answer_apart_finds_no_frame_of_its_check():
+    result = grading.grade_cell(APART[0], forging(THROUGH_THE_FRAMES, APART), APART[1])
+    assert not result.passed
+    assert f"{APART[1]} raised ValueError: {APART[1]} " in result.message  # its own frame, then the server's
+    assert "run_check" not in result.message and "check_one_training_step" not in result.message, result.message
+
+
+@pytest.mark.trial("extra")
+@pytest.mark.xfail(strict=True, reason="issue #42 (b): 00.2's answer still shares the grading process with its check")
+@pytest.mark.parametrize("answer", [THROUGH_THE_PIPES, THROUGH_THE_ENCODER], ids=["pipes", "encoder"])
+def test_an_answer_beside_its_check_cannot_write_its_own_verdict(answer):
+    result = grading.grade_cell(SHARED[0], forging(answer, SHARED), SHARED[1])
     assert not result.passed, result.message
