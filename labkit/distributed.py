@@ -216,6 +216,7 @@ def _received(call: tuple | bytes) -> tuple[Callable, tuple]:
 def _rank_main(call: tuple | bytes, rank: int, world_size: int, store_path: str, timeout: float,
                writer: Connection, log_path: str, parent_pid: int) -> None:
     """The body of one rank: join the group, run fn, send back ("ok", value) or ("raised", ...)."""
+    _let_the_server_go()
     _die_with_parent(parent_pid)
     _write_output_to(log_path)
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
@@ -264,9 +265,11 @@ def _die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before the request above took effect
         os._exit(1)
-    # A forkserver's child holds the write end of the server's "alive" pipe, which keeps the server
-    # running while the child runs: let go of it, so that the server ends when the caller does, and
-    # this rank with it.
+
+
+def _let_the_server_go() -> None:
+    """Close the write end of the forkserver's "alive" pipe that a child of the server inherits: held
+    by a rank, it keeps the server running while the rank runs, so neither would end with the caller."""
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
