@@ -133,22 +133,32 @@ def start(request: dict, confine: Callable[[], None]) -> AnswerProcess:
     return AnswerProcess(pid, judge_end)
 
 
-def _serve(channel: socket.socket, request: dict) -> None:
-    from labkit.grading import EXERCISE_NAMESPACE, MAX_ERROR_CHARS
+def run_cell(request: dict, namespace: dict) -> tuple[str, str]:
+    """Run the answer cell of ``request`` in ``namespace``, its output swallowed, within its time limit:
+    ("defined", ""), ("raised", description), ("timed_out", limit) or ("undefined", "") when the cell
+    ran but left no callable ``request["function"]``. Used beside the check and in the answer process."""
+    from labkit.grading import MAX_ERROR_CHARS
 
-    namespace = dict(EXERCISE_NAMESPACE)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
                 _time_limit(request["time_limit_s"]):
             exec(compile(request["source"], request["where"], "exec"), namespace)  # noqa: S102 (the answer cell)
     except _CheckTimedOut as stopped:
-        return _reply(channel, ("timed_out", stopped.limit))
+        return "timed_out", stopped.limit
     except BaseException as error:  # SystemExit and KeyboardInterrupt too: the cell is the learner's
-        return _reply(channel, ("raised", describe_error(error, MAX_ERROR_CHARS)))
-    answer = namespace.get(request["function"])
-    if not callable(answer):
-        return _reply(channel, ("undefined", ""))
-    _reply(channel, ("defined", ""))
+        return "raised", describe_error(error, MAX_ERROR_CHARS)
+    return ("defined", "") if callable(namespace.get(request["function"])) else ("undefined", "")
+
+
+def _serve(channel: socket.socket, request: dict) -> None:
+    from labkit.grading import EXERCISE_NAMESPACE
+
+    namespace = dict(EXERCISE_NAMESPACE)
+    ran = run_cell(request, namespace)
+    _reply(channel, ran)
+    if ran[0] != "defined":
+        return
+    answer = namespace[request["function"]]
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
                 _time_limit(request["time_limit_s"]):

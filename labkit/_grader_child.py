@@ -23,9 +23,7 @@ tests/reliability/test_report_forgery.py, held there as strict xfails).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
 import multiprocessing
 import os
@@ -37,7 +35,7 @@ from pathlib import Path
 
 import labkit.grading as grading
 from labkit import _answer_process
-from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _time_limit
+from labkit._check_sandbox import _Namespaces, _time_limit
 from labkit.exercises import registry
 from labkit.labs import _isolated
 from labkit.messages import describe_error
@@ -96,25 +94,29 @@ def main() -> None:
 
 
 def _grade(request: dict, namespaces: _Namespaces) -> dict:
-    spec = grading._lookup(request["exercise"])
+    """The answer cell run here, beside its check."""
     namespace = dict(grading.EXERCISE_NAMESPACE)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                _time_limit(request["time_limit_s"]):
-            exec(compile(request["source"], request["where"], "exec"), namespace)  # noqa: S102 (the answer cell)
-    except _CheckTimedOut as stopped:
-        return _verdict(grading._not_yet(spec, f"the exercise cell did not finish within {stopped.limit}"))
-    except BaseException as error:  # SystemExit and KeyboardInterrupt too: the cell is the learner's
-        return _verdict(grading._not_yet(
-            spec, f"the exercise cell raised {describe_error(error, grading.MAX_ERROR_CHARS)}"))
+        ran = _answer_process.run_cell(request, namespace)
     finally:
         namespaces.restore()
-    function = request["function"]
-    if not callable(namespace.get(function)):
+    return _judged(request, ran, namespace.get(request["function"]))
+
+
+def _judged(request: dict, ran: tuple[str, str], answer) -> dict:
+    """The verdict on an answer cell that ran as ``ran`` says (`_answer_process.run_cell`), whose function,
+    ``answer``, the check then calls, in this process or across to the answer's."""
+    spec, function = grading._lookup(request["exercise"]), request["function"]
+    status, detail = ran
+    if status == "timed_out":
+        return _verdict(grading._not_yet(spec, f"the exercise cell did not finish within {detail}"))
+    if status == "raised":
+        return _verdict(grading._not_yet(spec, f"the exercise cell raised {detail}"))
+    if status == "undefined":
         return _verdict(grading._not_yet(spec, f"the exercise cell does not define {function} any more",
                                          hint=f"keep the line 'def {function}(' of the student edition"))
     try:
-        return _verdict(grading.run_check(spec.id, namespace[function], time_limit_s=request["time_limit_s"],
+        return _verdict(grading.run_check(spec.id, answer, time_limit_s=request["time_limit_s"],
                                           try_number=request["try_number"], follow_up=request["follow_up"]))
     except KeyboardInterrupt as error:  # raised by the answer: no Ctrl-C reaches this process's own session
         return _verdict(grading._not_yet(spec, f"{function} raised {describe_error(error, grading.MAX_ERROR_CHARS)}"))
@@ -127,25 +129,12 @@ def _confine(request: dict, allowed: tuple[str, ...]) -> None:
 
 def _grade_apart(request: dict, answer: _answer_process.AnswerProcess) -> dict:
     """The check here, the answer in its own process (`labkit._answer_process`), which ends with it."""
-    spec, function = grading._lookup(request["exercise"]), request["function"]
     try:
-        ran, detail = answer.cell()
-        if ran == "timed_out":
-            return _verdict(grading._not_yet(spec, f"the exercise cell did not finish within {detail}"))
-        if ran == "raised":
-            return _verdict(grading._not_yet(spec, f"the exercise cell raised {detail}"))
-        if ran == "undefined":
-            return _verdict(grading._not_yet(spec, f"the exercise cell does not define {function} any more",
-                                             hint=f"keep the line 'def {function}(' of the student edition"))
-
         def call_the_answer(*args, **kwargs):
             return answer.call(*args, **kwargs)
 
-        call_the_answer.__name__ = function
-        return _verdict(grading.run_check(spec.id, call_the_answer, time_limit_s=request["time_limit_s"],
-                                          try_number=request["try_number"], follow_up=request["follow_up"]))
-    except KeyboardInterrupt as error:  # the answer's own, come across as data
-        return _verdict(grading._not_yet(spec, f"{function} raised {describe_error(error, grading.MAX_ERROR_CHARS)}"))
+        call_the_answer.__name__ = request["function"]
+        return _judged(request, answer.cell(), call_the_answer)
     finally:
         answer.end()
 
