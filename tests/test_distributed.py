@@ -197,11 +197,6 @@ def test_after_a_backward_on_an_accelerator_machine_ranks_still_run_backward_wit
     assert (server, as_if_forked) == ("True", "True")
 
 
-def test_on_a_machine_without_an_accelerator_ranks_are_forked_from_the_caller():
-    from labkit.distributed import _forks_from_a_server
-    assert not _forks_from_a_server()
-
-
 # A kernel killed outright (SIGKILL) runs no clean-up code; its ranks must still go.
 ORPHANING_SCRIPT = """
 import os, sys, time
