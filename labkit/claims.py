@@ -1,7 +1,7 @@
 """The case catalogue and the verdicts the notebooks record against it.
 
 The source articles make claims; several are wrong. A notebook states a claim by its ID, measures,
-and records what the data supports with `check(ID, verdict=..., evidence=...)`. The record is printed
+and records what the data supports with `check(ID, verdict=..., measured={label: value})`. The record is printed
 for the reader and stored in the notebook's outputs under a JSON mimetype (`labkit.records`), so
 `python -m labkit claims` (labkit/claims_report.py) can list every verdict from the stored
 notebooks without executing them.
@@ -15,10 +15,11 @@ import html
 import json
 import re
 import textwrap
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from importlib import resources
 
+from labkit import _evidence
 from labkit.errors import LabkitError
 from labkit.records import CLAIM_MIME, METRIC_MIME, show_record
 
@@ -42,7 +43,9 @@ class Case:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a notebook concluded about one case, with the numbers behind it."""
+    """What a notebook concluded about one case, with the numbers behind it.
+
+    `evidence` is the sentence rendered from `measured` (label -> value), `note` and `rule`."""
 
     id: str
     verdict: str
@@ -50,6 +53,9 @@ class Verdict:
     claim: str
     notebook: str = ""
     device_dependent: bool = False
+    measured: dict = field(default_factory=dict)
+    note: str = ""
+    rule: str = ""
 
 
 @cache
@@ -99,22 +105,31 @@ def validate(case_id: str, verdict: str, evidence: str) -> None:
 _session: list[Verdict] = []
 
 
-def check(case_id: str, verdict: str, evidence: str, claim: str | None = None,
-          device_dependent: bool | None = None) -> None:
+def check(case_id: str, verdict: str, measured: dict | None = None, *, note: str = "", rule: str = "",
+          claim: str | None = None, device_dependent: bool | None = None) -> None:
     """Record the verdict the measurement supports for one case, and show it.
 
-    `claim` defaults to the catalogue's wording. `evidence` must hold the numbers for `holds`,
-    `does-not-hold` and `partly`, and the reason for `needs-gpu` and `untestable`.
-    `device_dependent` marks a verdict that differs between a CPU and a GPU run (by default: a
-    GPU-only case, or a `needs-gpu` verdict); its cell carries the tag `nbval-ignore-output`, and
-    `table()` names it without its verdict so the table reads the same on both.
-    `recorded()` returns what was recorded.
+    `measured` maps a label to what this run measured (a number, a bool, a string, or a list or dict
+    of those): ``{"max |diff|": diff, "steps clipped": share}``. labkit formats the numbers and renders
+    the sentence, the HTML table and the claims table's line from them, so all three agree; the
+    stored record keeps the values as JSON. `rule` says what decides the verdict (the threshold), and
+    `note` what is not a measurement: the article's own figure, the reason for `needs-gpu` or
+    `untestable`. A `holds`, `does-not-hold` or `partly` verdict needs measured numbers.
+    `claim` defaults to the catalogue's wording. `device_dependent` marks a verdict that differs
+    between a CPU and a GPU run (by default: a GPU-only case, or a `needs-gpu` verdict); its cell
+    carries the tag `nbval-ignore-output`, and `table()` names it without its verdict so the table
+    reads the same on both. `recorded()` returns what was recorded.
     """
+    values = _evidence.as_json(case_id, measured) if measured is not None else {}
+    if verdict in MEASURED_VERDICTS and not values:
+        raise LabkitError(f"{case_id}: a '{verdict}' verdict rests on what was measured: pass the numbers as "
+                          "measured={label: value, ...} (note= is for what is not a measurement)")
+    evidence = _evidence.sentence(values, note, rule)
     validate(case_id, verdict, evidence)
     if device_dependent is None:
         device_dependent = case(case_id).gpu_only or verdict == "needs-gpu"
-    record = Verdict(case_id, verdict, evidence.strip(), claim or case(case_id).claim,
-                     device_dependent=device_dependent)
+    record = Verdict(case_id, verdict, evidence, claim or case(case_id).claim, device_dependent=device_dependent,
+                     measured=values, note=note.strip(), rule=rule.strip())
     _session[:] = [v for v in _session if v.id != case_id] + [record]
     payload = {k: v for k, v in asdict(record).items() if k != "device_dependent"}
     show_record(_verdict_text(record), CLAIM_MIME, payload, html=_verdict_html(record))
@@ -175,10 +190,14 @@ def readable(evidence: str) -> str:
 
 
 def takeaway(v: Verdict, width: int = 80) -> str:
-    """The first clause of the evidence, cut to ``width`` characters at a word: the table's one line."""
-    sentence = readable(v.evidence)
-    end = _TAKEAWAY_END.search(sentence)
-    clause = sentence[:end.start()] if end else sentence.rstrip(".")
+    """The table's one line, cut to ``width`` characters at a word: the first measured value, or the
+    note's first clause when nothing was measured."""
+    if v.measured:
+        clause = _evidence.items(v.measured)[0]  # a label is printed as written: it may be code
+    else:
+        sentence = readable(v.evidence)
+        end = _TAKEAWAY_END.search(sentence)
+        clause = sentence[:end.start()] if end else sentence.rstrip(".")
     if len(clause) <= width:
         return clause
     return clause[:width - 1].rsplit(" ", 1)[0].rstrip(",;:(") + "…"
@@ -186,12 +205,18 @@ def takeaway(v: Verdict, width: int = 80) -> str:
 
 def _verdict_text(v: Verdict, width: int = 100) -> str:
     head = f"{VERDICT_MARKS[v.verdict]} {v.id} {v.verdict}: "
-    return textwrap.fill(head + readable(v.evidence), width=width, subsequent_indent="  ")
+    text = v.evidence + "." if v.measured else readable(v.evidence)
+    return textwrap.fill(head + text, width=width, subsequent_indent="  ")
 
 
 def _verdict_html(v: Verdict) -> str:
-    return (f'<div class="labkit-verdict"><strong>{VERDICT_MARKS[v.verdict]} {html.escape(v.id)} '
-            f'{html.escape(v.verdict)}</strong>: {html.escape(readable(v.evidence))}</div>')
+    head = f"<strong>{VERDICT_MARKS[v.verdict]} {html.escape(v.id)} {html.escape(v.verdict)}</strong>"
+    if not v.measured:
+        return f'<div class="labkit-verdict">{head}: {html.escape(readable(v.evidence))}</div>'
+    note = f"<p>{html.escape(readable(v.note))}</p>" if v.note else ""
+    rule = f"<p><em>Verdict rule: {html.escape(v.rule)}</em></p>" if v.rule else ""
+    return f'<div class="labkit-verdict">{head}{_evidence.html_table(v.measured)}{note}{rule}</div>'
+
 
 
 def _table_line(v: Verdict, width: int) -> str:

@@ -31,7 +31,8 @@ def collect(paths: list[str | Path]) -> list[dict]:
                 validate(record["id"], record["verdict"], record["evidence"])
             except LabkitError as error:
                 raise LabkitError(f"{notebook}: {error}") from error
-            records.append({k: record[k] for k in ("id", "notebook", "verdict", "evidence", "claim")})
+            records.append({k: record[k] for k in ("id", "notebook", "verdict", "evidence", "claim")}
+                           | {"measured": record.get("measured", {})})
     return records
 
 
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
     """`python -m labkit claims [PATHS] [--json] [--catalogue] [--missing]`."""
     parser = argparse.ArgumentParser(prog="python -m labkit claims", description=main.__doc__)
     parser.add_argument("paths", nargs="*", default=["notebooks"], help="notebooks or folders (default: notebooks)")
-    parser.add_argument("--json", action="store_true", help="print a JSON list of {id, notebook, verdict, evidence}")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of {id, notebook, verdict, evidence, measured}")
     parser.add_argument("--catalogue", action="store_true", help="list the case catalogue instead")
     parser.add_argument("--missing", action="store_true", help="also list catalogue IDs with no verdict yet")
     args = parser.parse_args(argv)
@@ -67,7 +68,8 @@ def main(argv: list[str]) -> int:
         return _print_catalogue(args.json)
     records = collect(args.paths)
     if args.json:
-        print(json.dumps([{k: r[k] for k in ("id", "notebook", "verdict", "evidence")} for r in records], indent=2))
+        fields = ("id", "notebook", "verdict", "evidence", "measured")
+        print(json.dumps([{k: r[k] for k in fields} for r in records], indent=2))
         return 0
     for r in records:
         print(f"{r['id']:<5} {r['notebook']:<28} {r['verdict']:<14} {r['evidence']}")

@@ -22,7 +22,7 @@ NAME = "01_fixture"
 PARAMETERS = "seed = 0"
 CLAIM = (
     "from labkit import claims\n"
-    "claims.check('Z1', verdict='holds', evidence='max |diff| = 0.0 over 8 values')\n"
+    "claims.check('Z1', verdict='holds', measured={'max |diff|': 0.0, 'values compared': 8})\n"
     "claims.metric('grad_norm', 1.5)"
 )
 FIGURE_SETUP = "from labkit import figures, repro\nimport matplotlib.pyplot as plt\ndev = repro.setup(seed=seed)"

@@ -274,7 +274,8 @@ def stored_run(notebook: Path) -> runner.RunResult:
     assert not measured_anyway, f"{notebook.name}'s stored outputs give GPU-only verdicts {measured_anyway}: not a CPU run"
     claim_records, claims_left_out = stored_records_nbval_compares(notebook, CLAIM_MIME)
     metric_records, metrics_left_out = stored_records_nbval_compares(notebook, METRIC_MIME)
-    claims = StoredClaims(({key: record.get(key) for key in ("id", "verdict", "evidence")} for record in claim_records),
+    claims = StoredClaims(({key: record.get(key) for key in ("id", "verdict", "evidence")}
+                           | {"measured": record.get("measured", {})} for record in claim_records),
                           not_compared=claims_left_out)
     metrics = StoredMetrics({record["name"]: record["value"] for record in metric_records}, not_compared=metrics_left_out)
     return runner.RunResult(notebook.stem, "ok", 0.0, str(notebook), default_parameters(notebook), "", claims, metrics)

@@ -127,6 +127,7 @@ class SharedKernel:
                                   parameters, error)
         if output.exists():
             result.claims = [{key: record.get(key) for key in ("id", "verdict", "evidence")}
+                             | {"measured": record.get("measured", {})}
                              for record in stored_records(output, CLAIM_MIME)]
             result.metrics = {record["name"]: record["value"] for record in stored_records(output, METRIC_MIME)}
         inside(out_dir, out_dir / f"{notebook.stem}.result.json").write_text(json.dumps(asdict(result), indent=2))

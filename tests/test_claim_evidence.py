@@ -105,15 +105,29 @@ def claim_checks(path):
 TWINS = sorted((ROOT / "notebooks" / "py").glob("*.py"))
 
 
+EVIDENCE_ARGUMENTS = ("measured", "note", "rule")
+
+
+def typed_values(measured):
+    """The numbers written as a measured dict's values (``{"growth": 37}``): a measurement typed in."""
+    if not isinstance(measured, ast.Dict):
+        return []
+    return [str(value.value) for value in measured.values
+            if isinstance(value, ast.Constant) and type(value.value) in (int, float)]
+
+
+def typed_numbers(call):
+    """The numbers typed into one claims.check's evidence: in the literal text of its labels, note and
+    rule, and as a measured value."""
+    return [number for keyword in call.keywords if keyword.arg in EVIDENCE_ARGUMENTS
+            for number in literal_numbers(keyword.value)
+            + (typed_values(keyword.value) if keyword.arg == "measured" else [])]
+
+
 def typed_numbers_in_evidence():
-    """(case, number) for each number in the literal text of a claims.check evidence in the py twins."""
-    found = []
-    for path in TWINS:
-        for node in claim_checks(path):
-            evidence = next((k.value for k in node.keywords if k.arg == "evidence"), None)
-            if evidence is not None:
-                found += [(node.args[0].value, number) for number in literal_numbers(evidence)]
-    return found
+    """(case, number) for each number typed into a claims.check's evidence in the py twins."""
+    return [(node.args[0].value, number) for path in TWINS for node in claim_checks(path)
+            for number in typed_numbers(node)]
 
 
 def test_evidence_numbers_are_formatted_from_values_not_typed_in():
@@ -128,10 +142,14 @@ def test_evidence_numbers_are_formatted_from_values_not_typed_in():
     )
 
 
-def test_the_typed_number_scan_sees_literal_text_and_not_formatted_values():
-    source = 'claims.check("Z1", verdict="holds", evidence=f"grew {growth:>6.0f}x in 12 steps, " + "lost 3.5%")'
-    evidence = ast.parse(source).body[0].value.keywords[1].value
-    assert literal_numbers(evidence) == ["12", "3.5%"]
+def test_the_typed_number_scan_sees_literal_text_and_typed_values_and_not_formatted_values(tmp_path, monkeypatch):
+    twin = tmp_path / "99_scan.py"
+    twin.write_text('claims.check("Z1", verdict="holds", note=f"grew {growth:>6.0f}x in 12 steps, " + "lost 3.5%",\n'
+                    '             measured={f"loss at batch {batch}": loss, "growth at 8 steps": growth, "lead": 71,\n'
+                    '                       "spread": round(spread, 3)}, rule="lead above 200 steps")\n')
+    monkeypatch.setattr(sys.modules[__name__], "TWINS", [twin])
+    assert sorted(typed_numbers_in_evidence()) == sorted(
+        [("Z1", "12"), ("Z1", "3.5%"), ("Z1", "8"), ("Z1", "71"), ("Z1", "200")])
 
 
 def device_dependence(call):

@@ -25,7 +25,7 @@ def test_forgotten_zero_grad_stalls_training_only_with_the_bug(tmp_path, student
     assert result.status == "ok", result.error
     [record] = result.claims
     assert (record["id"], record["verdict"]) == ("Z1", z1)
-    assert ("is not g1 + g2" in record["evidence"]) is clear_between
+    assert record["measured"]["w.grad equals g1 + g2 exactly"] is not clear_between
     if bug:
         assert result.metrics["final_loss"] > 1.0
     else:

@@ -48,13 +48,11 @@ def test_relu_after_addition_gates_the_skip_only_with_the_bug(tmp_path, student_
     assert result.status == "ok", result.error
     assert [c["id"] for c in result.claims] == ["M1"]
     m1 = result.claims[0]
-    if pre_activation_exact:
-        assert m1["verdict"] == "partly"
-        assert "the pre-activation skip passed the gradient exactly" in m1["evidence"]
-    else:
-        assert m1["verdict"] == "does-not-hold"
-        assert "the pre-activation skip passed the gradient not exactly" in m1["evidence"]
-    assert "not about the claimed 50%" in m1["evidence"]
+    exact = m1["measured"]["exact gradient through the skip"]
+    assert m1["verdict"] == ("partly" if pre_activation_exact else "does-not-hold")
+    assert exact == {"pre": pre_activation_exact, "post": False}
+    zeroed = float(m1["measured"]["share the post-activation ReLU zeroed"].rstrip("%"))
+    assert not 40 <= zeroed <= 60, "the ReLU after the addition does not cut the article's half"
     if bug:
         assert result.metrics["identity_exact"] is False
         assert result.metrics["identity_nonzero_share"] < 0.8

@@ -106,9 +106,8 @@ def test_typed_numbers_allowed_are_still_typed_into_their_case(meta):
 
     typed = {case_id: set() for case_id in meta.typed_numbers_allowed}
     for node in test_claim_evidence.claim_checks(meta.twin):
-        evidence = next((k.value for k in node.keywords if k.arg == "evidence"), None)
-        if evidence is not None and node.args[0].value in typed:
-            typed[node.args[0].value] |= set(test_claim_evidence.literal_numbers(evidence))
+        if node.args[0].value in typed:
+            typed[node.args[0].value] |= set(test_claim_evidence.typed_numbers(node))
     unused = {case_id: sorted(set(entry.numbers) - typed[case_id])
               for case_id, entry in meta.typed_numbers_allowed.items() if set(entry.numbers) - typed[case_id]}
     assert unused == {}, f"{meta.stem}: allowed typed numbers no evidence types any more: remove them"

@@ -132,7 +132,7 @@ def test_the_checker_passes_public_names_however_they_are_imported():
     legal = (
         "import labkit\nimport labkit.progress as progress_lines\n"
         "from labkit import GradTracer, claims, grading\nfrom labkit.distributed import run_ranks\n"
-        "claims.check('Z1', verdict='holds', evidence='1')\ngrading.score()\nlabkit.claims.table()\n"
+        "claims.check('Z1', verdict='holds', measured={'x': 1})\ngrading.score()\nlabkit.claims.table()\n"
         "progress_lines.track(range(3))\nlabkit.exercises.NotYet\n"
     )
     assert api.api_violations(legal, "cell") == []

@@ -56,7 +56,7 @@ def test_a_cell_nbval_ignores_gives_the_stored_run_no_claim_or_metric(tmp_path):
     result = stored_run(notebook)
     assert result.status == "ok" and result.parameters == {"seed": 0, "bug": True}
     assert [claim["id"] for claim in result.claims] == ["Z1"]
-    assert result.claims[0] == {"id": "Z1", "verdict": "holds", "evidence": "Z1's evidence"}
+    assert result.claims[0] == {"id": "Z1", "verdict": "holds", "evidence": "Z1's evidence", "measured": {}}
     assert dict(result.metrics) == {"compared": 3}
     # the left-out records fail loudly, saying why, whichever way a test reads them
     with pytest.raises(KeyError, match=f"'timed'.*{NOT_COMPARED}.*tagged nbval-ignore-output"):

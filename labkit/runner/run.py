@@ -110,7 +110,8 @@ def _read_records(result: RunResult, output: Path) -> bool:
     except LabkitError as error:  # a notebook cut short mid-write by a kill
         result.error = f"{result.error}; the notebook could not be read back: {error}".lstrip("; ")
         return False
-    result.claims = [{k: r.get(k) for k in ("id", "verdict", "evidence")} for r in claims]
+    result.claims = [{k: r.get(k) for k in ("id", "verdict", "evidence")} | {"measured": r.get("measured", {})}
+                     for r in claims]
     result.metrics = {m["name"]: m["value"] for m in metrics}
     return True
 

@@ -72,7 +72,7 @@ dev = repro.setup(seed=seed, device=device)
 # 1. **Parameters**: seed, device, sizes, steps, and a `bug` switch where it fits.
 # 2. For each case: **the claim** as the article makes it, with its ID; **a reproduction**;
 #    **the measurement**, printed (and plotted where a picture helps); **the verdict**, recorded with
-#    `claims.check(ID, verdict=..., evidence=...)` where the evidence carries the numbers;
+#    `claims.check(ID, verdict=..., measured={...})`, which shows the measured numbers it rests on;
 #    **the fix, proven** by the same measurement.
 # 3. **Summary** and **Claims checked**: what the notebook found, and the table of every verdict.
 # 4. **Exercises**: a planted bug, your fix, and a `grading.check` that tests what your code does.
@@ -143,16 +143,10 @@ print(compare_guess(guess, sum_report.all_exact, what='w.grad equals g1 + g2 bit
 worst_sum_diff = sum_report.rows[0].max_abs_diff
 worst_last_diff = last_only.rows[0].max_abs_diff
 holds = sum_report.all_exact and not last_only.all_close
-claims.check(
-    "Z1",
-    verdict="holds" if holds else "does-not-hold",
-    evidence=(
-        f"after two backward passes{' with w.grad set to None between them' if clear_between else ''}, w.grad "
-        f"{'equals' if sum_report.all_exact else 'is not'} g1 + g2 exactly ({features} values, max |diff| "
-        f"{worst_sum_diff:.2g}) and {'differs from' if not last_only.all_close else 'matches'} the second "
-        f"gradient alone (max |diff| {worst_last_diff:.2g})"
-    ),
-)
+claims.check("Z1", verdict="holds" if holds else "does-not-hold", measured={
+    "w.grad equals g1 + g2 exactly": sum_report.all_exact, "max |w.grad - (g1 + g2)|": worst_sum_diff,
+    "max |w.grad - g2|": worst_last_diff, "values compared": features,
+}, rule="holds when w.grad is g1 + g2 bit for bit and differs from g2 alone")
 
 
 # %% [markdown]
