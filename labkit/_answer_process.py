@@ -16,9 +16,11 @@ descriptor it can find changes only its own process, which reports nothing the p
 A reply names an argument by its place instead of copying it, so a check that tests identity (a returned
 tensor that *is* the one passed in) still can. An exception comes back as its type's name and message; an
 object that is not data comes back as a stand-in of the same type name, so the diagnoses read as before.
-What cannot cross: a hook the check registered on an argument (it fires in the judge only), the autograd
-graph of a result, a lambda among the arguments; an exercise whose check needs those stays with the answer
-in the grading process (`labkit.exercises.exercise`, ``answer_apart``).
+The autograd graph of a result cannot cross either: a check that differentiates through the result asks for
+the backward pass with the call (`labkit.exercises.call_and_differentiate`); it runs here, and the gradients
+come back as data, or the error autograd raised as a stand-in of its type. What cannot cross: a hook the check
+registered on a tensor argument (it fires in the judge only), a lambda among the arguments; an exercise whose
+check needs those stays with the answer in the grading process (`labkit.exercises.exercise`, ``answer_apart``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from torch import nn
 
 from labkit._check_sandbox import _CheckTimedOut, _plain, _time_limit
-from labkit.exercises import NotYet
+from labkit.exercises import Differentiated, NotYet, differentiate
 from labkit.messages import describe_error
 
 __all__: list[str] = []
@@ -48,8 +50,9 @@ __all__: list[str] = []
 _LENGTH = struct.Struct("!Q")
 # A reply larger than this is not an answer's result: the judge stops reading and fails the answer.
 MAX_REPLY_BYTES = 256 * 2**20
-# Exceptions whose kind a check or the grading tells apart; any other comes back as a plain Exception.
-_KINDS = (NotImplementedError, SystemExit, KeyboardInterrupt)
+# Exceptions whose kind a check or the grading tells apart (autograd raises RuntimeError); any other comes
+# back as a plain Exception.
+_KINDS = (NotImplementedError, SystemExit, KeyboardInterrupt, RuntimeError)
 _VALUES = (bool, int, float, complex, str, bytes, type(None), torch.Size, torch.dtype, torch.device)
 
 
@@ -66,18 +69,29 @@ class AnswerProcess:
 
     def call(self, *args, **kwargs):
         with self.turn:
-            return self._call(args, kwargs)
+            return self._call(args, kwargs, None)
 
-    def _call(self, args: tuple, kwargs: dict):
+    def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream) -> Differentiated:
+        """The call, and the backward pass from its result (`labkit.exercises.call_and_differentiate`),
+        both in the answer process: the result's graph stays there, its gradients come back as data."""
+        with self.turn:
+            return self._call(args, {}, (tuple(wrt), upstream))
+
+    def _call(self, args: tuple, kwargs: dict, backward: tuple | None):
         arguments = _stateful((args, kwargs))  # pickling leaves out .grad: it goes with each tensor's state
         states = [_state(item, arguments) for item in arguments]
-        _send(self.channel, pickle.dumps((args, kwargs, states, _random_streams())))
+        _send(self.channel, pickle.dumps((args, kwargs, states, _random_streams(), backward)))
         reply = self._receive()
         if reply[0] == "returned":
-            _, result, states, streams = reply
+            _, result, states, streams, gradients = reply
             _set_random_streams(streams)
             _apply_states(arguments, states)
-            return _decode(result, arguments)
+            result = _decode(result, arguments)
+            if backward is None:
+                return result
+            grads, error = gradients
+            return Differentiated(result, None if grads is None else tuple(grads),
+                                  None if error is None else _stand_in_error(*error))
         if reply[0] == "timed_out":
             raise _CheckTimedOut(reply[1])
         if reply[0] == "not_yet":
@@ -169,7 +183,7 @@ def _serve(channel: socket.socket, request: dict) -> None:
 
 
 def _answer_call(answer: Callable, request: tuple) -> tuple:
-    args, kwargs, states, streams = request
+    args, kwargs, states, streams, backward = request
     stateful = _stateful((args, kwargs))  # found before the call, as the judge found them: it reads the reply so
     _apply_states(stateful, states)
     _set_random_streams(streams)  # the check's seeded streams, where it left them, as in one process
@@ -178,13 +192,27 @@ def _answer_call(answer: Callable, request: tuple) -> tuple:
     except _CheckTimedOut:
         raise
     except BaseException as error:  # each becomes the check's "raised" line, as in one process
-        kind = next((k.__name__ for k in _KINDS if isinstance(error, k)), "Exception")
-        return ("raised", kind, type(error).__name__, str(error))
+        return ("raised", _kind(error), type(error).__name__, str(error))
     try:
         result = _plain(result)
     except NotYet as refused:  # a tensor subclass that rewrites torch's operations
         return ("not_yet", refused.problem, refused.hint)
-    return ("returned", _encode(result, stateful), [_state(item, stateful) for item in stateful], _random_streams())
+    gradients = None if backward is None else _backward(result, args, *backward)
+    return ("returned", _encode(result, stateful), [_state(item, stateful) for item in stateful], _random_streams(),
+            gradients)
+
+
+def _backward(result, args: tuple, wrt: tuple[int, ...], upstream) -> tuple:
+    """The gradients `differentiate` takes from ``result``, as data: (tensors or None, error or None)."""
+    done = differentiate(result, [args[i] for i in wrt], upstream)
+    grads = None if done.grads is None else [None if g is None else g.detach().as_subclass(torch.Tensor)
+                                             for g in done.grads]
+    error = None if done.error is None else (_kind(done.error), type(done.error).__name__, str(done.error))
+    return grads, error
+
+
+def _kind(error: BaseException) -> str:
+    return next((k.__name__ for k in _KINDS if isinstance(error, k)), "Exception")
 
 
 # ---- the arguments' state ---------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit._torch_compat import use_deterministic_algorithms
-from labkit.exercises import Exercise, NotYet
+from labkit.exercises import Differentiated, Exercise, NotYet, differentiate
 
 __all__: list[str] = []
 
@@ -81,11 +81,22 @@ class _Attempt:
         self.namespaces: _Namespaces | None = None
         self.running_in: set[int] = set()  # threads inside the answer (a check may call it from several)
 
-    def call(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        return _plain(self._run(self.answer, *args, **kwargs))
+
+    def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream) -> Differentiated:
+        """`labkit.exercises.call_and_differentiate` on the answer: across, where the answer runs apart."""
+        across = getattr(self.answer, "call_and_differentiate", None)
+        if across is None:
+            return differentiate(self(*args), [args[i] for i in wrt], upstream)
+        done = self._run(across, args, wrt, upstream)
+        return Differentiated(_plain(done.result), done.grads, done.error)
+
+    def _run(self, function: Callable, *args, **kwargs):
         thread = threading.get_ident()
         self.running_in.add(thread)
         try:
-            result = self.answer(*args, **kwargs)
+            result = function(*args, **kwargs)
         except _CheckTimedOut:
             self.stopped = True
             raise
@@ -97,7 +108,7 @@ class _Attempt:
             self.running_in.discard(thread)
             if self.namespaces is not None:
                 self.namespaces.restore()
-        return _plain(result)
+        return result
 
     def stop_other_threads(self) -> None:
         """Stop the answer wherever it still runs in a thread the check started and left behind."""

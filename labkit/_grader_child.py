@@ -134,6 +134,7 @@ def _grade_apart(request: dict, answer: _answer_process.AnswerProcess) -> dict:
             return answer.call(*args, **kwargs)
 
         call_the_answer.__name__ = request["function"]
+        call_the_answer.call_and_differentiate = answer.call_and_differentiate
         return _judged(request, answer.cell(), call_the_answer)
     finally:
         answer.end()

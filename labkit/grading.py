@@ -133,7 +133,7 @@ def run_check(exercise_id: str, answer: Callable, *, time_limit_s: float | None 
     attempt = _Attempt(answer)
     try:
         with _isolated_check(spec, attempt, limit):
-            praise = spec.check(attempt.call)
+            praise = spec.check(attempt)
     except NotYet as verdict:
         return _not_yet(spec, verdict.problem, verdict.hint, try_number, follow_up)
     except _AnswerRaised as raised:

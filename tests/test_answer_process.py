@@ -14,20 +14,27 @@ import torch
 from torch import nn
 
 from labkit import _answer_process as crossing
+from labkit.exercises import Differentiated, call_and_differentiate
 
 
-def across(answer, *args):
-    """Call ``answer`` on a copy of ``args`` as the answer process would, and give the judge its reply."""
+def across(answer, *args, backward=None):
+    """Call ``answer`` on a copy of ``args`` as the answer process would, and give the judge its reply (with
+    ``backward`` = (wrt, upstream): the result and the gradients, as `AnswerProcess.call_and_differentiate`)."""
     arguments = crossing._stateful((args, {}))
     request = pickle.dumps((args, {}, [crossing._state(item, arguments) for item in arguments],
-                            crossing._random_streams()))
+                            crossing._random_streams(), backward))
     reply = crossing._answer_call(answer, pickle.loads(request))  # noqa: S301 (made just above)
     buffer = io.BytesIO()
     torch.save(reply, buffer)
-    kind, result, states, streams = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    kind, result, states, streams, gradients = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     assert kind == "returned"
     crossing._apply_states(arguments, states)
-    return crossing._decode(result, arguments)
+    result = crossing._decode(result, arguments)
+    if backward is None:
+        return result
+    grads, error = gradients
+    return Differentiated(result, None if grads is None else tuple(grads),
+                          None if error is None else crossing._stand_in_error(*error))
 
 
 def test_changes_to_the_arguments_come_back_into_the_judges_own_objects():
@@ -52,6 +59,44 @@ def test_changes_to_the_arguments_come_back_into_the_judges_own_objects():
     assert int(model[1].num_batches_tracked) == 1  # a buffer the forward changed
     assert "momentum_buffer" in optimizer.state[weight]
     assert [g.tolist() for g in grads] == [[3.0, 3.0], [7.0, 7.0]]
+
+
+def scaled_sum(x, w):
+    return (x * w).sum(1)
+
+
+def normalised_in_place(x, w):
+    centred = x - x.mean()
+    return centred.div_(centred.square().mean().sqrt()) * w  # div_ overwrites what square() saved
+
+
+@pytest.mark.parametrize("answer", [scaled_sum, normalised_in_place])
+def test_a_backward_pass_across_gives_what_it_gives_in_one_process(answer):
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w, upstream = torch.randn(4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    upstream = upstream if answer is scaled_sum else torch.randn(3, 4, dtype=torch.float64)
+    here = call_and_differentiate(answer, (x, w), wrt=(0,), upstream=upstream)
+    there = across(answer, x, w, backward=((0,), upstream))
+    assert torch.equal(there.result, here.result.detach()) and there.result.requires_grad
+    if here.error is None:
+        assert torch.equal(there.grads[0], here.grads[0])
+        return
+    with pytest.raises(RuntimeError) as in_one:
+        here.gradients()
+    with pytest.raises(RuntimeError) as apart:  # a stand-in of autograd's own error type, with its message
+        there.gradients()
+    assert "modified by an inplace operation" in str(in_one.value)
+    assert (type(apart.value).__name__, str(apart.value)) == (type(in_one.value).__name__, str(in_one.value))
+
+
+def test_no_graph_gives_no_gradients_and_an_unused_input_a_none_either_way():
+    x, unused = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    assert call_and_differentiate(lambda x: x.detach() * 2, (x,), wrt=(0,)).gradients() is None
+    assert across(lambda x: x.detach() * 2, x, backward=((0,), None)).gradients() is None
+    for differentiated in (call_and_differentiate(lambda x, u: x * 2, (x, unused), wrt=(0, 1)),
+                           across(lambda x, u: x * 2, x, unused, backward=((0, 1), None))):
+        grad_x, grad_unused = differentiated.gradients()
+        assert torch.equal(grad_x, torch.full((2,), 2.0)) and grad_unused is None
 
 
 def test_an_object_that_is_not_data_comes_back_as_a_stand_in_of_its_type():

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from labkit.errors import LabkitError
 
-__all__ = ["NotYet", "exercise"]
+__all__ = ["Differentiated", "NotYet", "call_and_differentiate", "exercise"]
 
 # A hint: one sentence, or a tuple of sentences shown one per failed try, from a nudge that names
 # what to look at to the explicit recipe (labkit.grading.hint_for picks one).
@@ -145,6 +145,48 @@ def torch_error_clause(error: RuntimeError) -> str:
     tensor types and versions) names the failure; checks quote it and never branch on it.
     """
     return str(error).split(":")[0].strip()
+
+
+@dataclass(frozen=True)
+class Differentiated:
+    """What the learner's function returned, and the gradients of that result with respect to some of its
+    arguments (`call_and_differentiate`): ``grads`` is None when the result is no tensor that requires
+    grad; ``error`` is what backward raised, which `gradients` raises where the check needs them."""
+
+    result: object
+    grads: tuple | None
+    error: BaseException | None = None
+
+    def gradients(self) -> tuple | None:
+        if self.error is not None:
+            raise self.error
+        return self.grads
+
+
+def call_and_differentiate(function: Callable, args: tuple, wrt: tuple[int, ...],
+                           upstream: torch.Tensor | None = None) -> Differentiated:
+    """Call ``function(*args)`` and backpropagate ``upstream`` (ones when None) from its result to
+    ``args[i]`` for each ``i`` in ``wrt``, in the process the answer runs in.
+
+    A check that differentiates through an answer's result uses this instead of calling
+    ``torch.autograd.grad`` itself: when the answer runs in a process of its own (``answer_apart``) its
+    autograd graph cannot cross, so the backward pass runs there and the gradients come back as data."""
+    across = getattr(function, "call_and_differentiate", None)
+    if across is not None:
+        return across(args, wrt, upstream)
+    return differentiate(function(*args), [args[i] for i in wrt], upstream)
+
+
+def differentiate(result, inputs: list, upstream: torch.Tensor | None) -> Differentiated:
+    """`Differentiated` for a result already computed: the backward pass of `call_and_differentiate`."""
+    if not (isinstance(result, torch.Tensor) and result.requires_grad):
+        return Differentiated(result, None)
+    try:
+        grads = torch.autograd.grad(result, inputs, torch.ones_like(result) if upstream is None else upstream,
+                                    allow_unused=True)
+    except Exception as error:  # the check words it where it needs the gradients (`Differentiated.gradients`)
+        return Differentiated(result, None, error)
+    return Differentiated(result, tuple(grads))
 
 
 class Recorder:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise, torch_error_clause
+from labkit.exercises import NotYet, call_and_differentiate, exercise, torch_error_clause
 from labkit.tracers import autograd_graph
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
@@ -42,13 +42,15 @@ TOLERANCE = 1e-12
         ),
     ),
     planted="the gradient is not finite",
+    answer_apart=True,
 )
 def check_entropy_term(entropy_term: Callable) -> str:
     """Values and gradients must match p*log(p) (0 at p == 0) on probabilities with exact zeros."""
     p = torch.tensor([0.0, 1e-3, 0.25, 0.0, 0.5, 1.0], dtype=torch.float64, requires_grad=True)
     expected_values = torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).detach()
     expected_grads = torch.where(p > 0, torch.log(p) + 1, torch.zeros_like(p)).detach()
-    values = entropy_term(p)
+    differentiated = call_and_differentiate(entropy_term, (p,), wrt=(0,))
+    values = differentiated.result
     _require_tensor(values, p.shape, "entropy_term(p)")
     if not values.requires_grad:
         raise NotYet("the result carries no gradient: it was computed outside the graph (detach or no_grad?)")
@@ -63,7 +65,7 @@ def check_entropy_term(entropy_term: Callable) -> str:
             ),
         )
     _require_close(values.detach(), expected_values, "the values", "p * log(p), and 0 where p == 0")
-    (grads,) = torch.autograd.grad(values.sum(), p)
+    (grads,) = differentiated.gradients()
     bad = (~torch.isfinite(grads)).nonzero().flatten().tolist()
     if bad:
         raise NotYet(f"the gradient is not finite at p = {[p[i].item() for i in bad]}")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, call_and_differentiate, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -42,6 +42,7 @@ SPREAD_ROWS, SPREAD_TOLERANCE = 5000, 0.05
         ),
     ),
     planted="the gradient that reaches mu is zero",
+    answer_apart=True,
 )
 def check_sample_latent(sample_latent: Callable) -> str:
     """The draw must have the right spread, and the exact reparameterised gradients for mu and log_var."""
@@ -50,11 +51,12 @@ def check_sample_latent(sample_latent: Callable) -> str:
     log_var = torch.randn(LATENT_ROWS, LATENT_DIMS, generator=generator, dtype=torch.float64).requires_grad_()
     upstream = torch.randn(LATENT_ROWS, LATENT_DIMS, generator=generator, dtype=torch.float64)
     _require_spread(sample_latent)
-    z = _latent(sample_latent, mu, log_var)
+    differentiated = call_and_differentiate(sample_latent, (mu, log_var), wrt=(0, 1), upstream=upstream)
+    z = _shaped_like_mu(differentiated.result, mu)
     if not z.requires_grad:
         raise NotYet("z does not require grad, so no gradient can reach the encoder",
                      hint="do not detach z or draw it under torch.no_grad()")
-    grad_mu, grad_log_var = torch.autograd.grad((z * upstream).sum(), (mu, log_var), allow_unused=True)
+    grad_mu, grad_log_var = differentiated.gradients()
     if grad_mu is None or grad_mu.abs().max() == 0:
         raise NotYet("the gradient that reaches mu is zero (or None): the draw does not depend on mu in autograd's "
                      "eyes, so the encoder cannot learn")
@@ -70,7 +72,10 @@ def check_sample_latent(sample_latent: Callable) -> str:
 
 
 def _latent(sample_latent: Callable, mu: torch.Tensor, log_var: torch.Tensor) -> torch.Tensor:
-    z = sample_latent(mu, log_var)
+    return _shaped_like_mu(sample_latent(mu, log_var), mu)
+
+
+def _shaped_like_mu(z, mu: torch.Tensor) -> torch.Tensor:
     if not isinstance(z, torch.Tensor) or z.shape != mu.shape:
         raise NotYet(f"it returned {_describe(z)}, but a z shaped like mu {tuple(mu.shape)} was expected")
     return z
@@ -107,6 +112,7 @@ def _require_spread(sample_latent: Callable) -> None:
         ),
     ),
     planted="the backward direction started in the padding",
+    answer_apart=True,
 )
 def check_mean_output(mean_output: Callable) -> str:
     """Against each sequence run alone, with unsorted lengths, and no gradient may enter the padding."""
@@ -117,7 +123,8 @@ def check_mean_output(mean_output: Callable) -> str:
     sequences = [torch.randn(int(n), 3, generator=generator, dtype=torch.float64) for n in lengths]
     padded = pad_sequence(sequences, batch_first=True).requires_grad_()
     expected = torch.stack([gru(s[None])[0][0].mean(0) for s in sequences]).detach()
-    got = mean_output(gru, padded, lengths)
+    differentiated = call_and_differentiate(mean_output, (gru, padded, lengths), wrt=(1,))
+    got = differentiated.result
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         raise NotYet(f"it returned {_describe(got)}, but (N, 2 * hidden) = {tuple(expected.shape)} was expected")
     if not torch.allclose(got, expected, rtol=1e-9, atol=1e-12):
@@ -125,7 +132,9 @@ def check_mean_output(mean_output: Callable) -> str:
     if not got.requires_grad:
         raise NotYet("the result does not require grad, so training could not use it",
                      hint="do not detach the result or compute it under torch.no_grad()")
-    (grad,) = torch.autograd.grad(got.sum(), padded)
+    (grad,) = differentiated.gradients()
+    if grad is None:
+        raise NotYet("no gradient reaches the padded input: the result is cut off from it in the graph")
     padding = torch.arange(padded.shape[1])[None] >= lengths[:, None]
     if grad[padding].abs().max() > 0:
         raise NotYet("gradient reaches the padding positions, so they still influence the result")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, call_and_differentiate, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -34,6 +34,7 @@ WIDTH = 6
         "return x + sublayer(norm(x)): normalise the branch's input, never the sum and never the skip",
     ),
     planted="the normalisation is applied to the sum",
+    answer_apart=True,
 )
 def check_prenorm_sublayer(prenorm_sublayer: Callable) -> str:
     """The block must be x + sublayer(norm(x)), and with a zeroed last layer pass x and its gradient exactly."""
@@ -45,9 +46,15 @@ def check_prenorm_sublayer(prenorm_sublayer: Callable) -> str:
         raise NotYet(_which_block(got, x, norm, sublayer))
     leaf = x.clone().requires_grad_()
     norm, sublayer = _sublayer_parts(zero_last=True)
-    out = _call(prenorm_sublayer, leaf, norm, sublayer)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    (grad,) = torch.autograd.grad(out, leaf, upstream)
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    differentiated = call_and_differentiate(prenorm_sublayer, (leaf, norm, sublayer), wrt=(0,), upstream=upstream)
+    out = _shaped_like_x(differentiated.result, x)
+    if differentiated.gradients() is None:
+        raise NotYet("with the sublayer's last layer zeroed, no gradient reaches x: the block's output is cut off "
+                     "from the graph (detach or no_grad?)")
+    (grad,) = differentiated.gradients()
+    if grad is None:
+        raise NotYet("with the sublayer's last layer zeroed, no gradient reaches x: the skip path must carry x")
     if not torch.equal(out.detach(), x) or not torch.equal(grad, upstream):
         raise NotYet("with the sublayer's last layer zeroed, the block is not an exact identity for x and its gradient")
     return "matches x + sublayer(norm(x)), and with a zeroed sublayer passes x and its gradient through exactly"
@@ -103,7 +110,10 @@ def _seeded_linear() -> nn.Linear:
 
 
 def _call(prenorm_sublayer: Callable, x: torch.Tensor, norm: nn.Module, sublayer: nn.Module) -> torch.Tensor:
-    out = prenorm_sublayer(x, norm, sublayer)
+    return _shaped_like_x(prenorm_sublayer(x, norm, sublayer), x)
+
+
+def _shaped_like_x(out, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         raise NotYet(f"the block must return a tensor shaped like x {tuple(x.shape)}, got {getattr(out, 'shape', type(out).__name__)}")
     return out
