@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, by_how_much, exercise
+from labkit.exercises import NotYet, Recorder, by_how_much, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -186,6 +186,7 @@ def _require_clipped_update(
         ),
     ),
     planted="gives the short last micro-batch the weight of a full one",
+    answer_apart=True,
 )
 def check_accumulate_gradients(accumulate_gradients: Callable) -> str:
     """.grad must equal the full-batch mean-loss gradient, with no forward pass over micro_batch rows."""
@@ -193,13 +194,13 @@ def check_accumulate_gradients(accumulate_gradients: Callable) -> str:
         model, x, y = _accumulation_fixture(rows)
         expected = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
         start = [p.detach().clone() for p in model.parameters()]
-        widest = []
-        handle = model.register_forward_pre_hook(lambda module, args: widest.append(len(args[0])))
+        forwards = Recorder(_rows_in)  # a Recorder, not a closure: it also counts in an answer's own process
+        handle = model.register_forward_pre_hook(forwards)
         try:
             accumulate_gradients(model, x, y, micro_batch)
         finally:
             handle.remove()
-        _require_micro_batches(widest, micro_batch, rows)
+        _require_micro_batches(forwards.notes, micro_batch, rows)
         if _max_difference([p.detach() for p in model.parameters()], start) != 0:
             raise NotYet("your function changed the weights", hint="only call backward here; the step comes later")
         _require_full_batch_gradient(model, x, y, expected, micro_batch)
@@ -217,6 +218,10 @@ def _accumulation_fixture(rows: int) -> tuple[nn.Module, torch.Tensor, torch.Ten
     y = torch.randint(0, CLASSES, (rows,), generator=generator)
     y[: rows // 2 : 2] = UNLABELLED  # the first micro-batches hold the unlabelled rows, the last ones none
     return model, x, y
+
+
+def _rows_in(module: nn.Module, args: tuple) -> int:
+    return len(args[0])
 
 
 def _require_micro_batches(widest: list[int], micro_batch: int, rows: int) -> None:
