@@ -40,9 +40,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import nn
+from torch.amp import GradScaler
 
 from labkit._check_sandbox import _CheckTimedOut, _plain, _time_limit
-from labkit.exercises import Differentiated, NotYet, differentiate
+from labkit.exercises import Differentiated, NotYet, watched_call
 from labkit.messages import describe_error
 
 __all__: list[str] = []
@@ -71,11 +72,11 @@ class AnswerProcess:
         with self.turn:
             return self._call(args, kwargs, None)
 
-    def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream) -> Differentiated:
+    def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream, watch: bool) -> Differentiated:
         """The call, and the backward pass from its result (`labkit.exercises.call_and_differentiate`),
         both in the answer process: the result's graph stays there, its gradients come back as data."""
         with self.turn:
-            return self._call(args, {}, (tuple(wrt), upstream))
+            return self._call(args, {}, (tuple(wrt), upstream, watch))
 
     def _call(self, args: tuple, kwargs: dict, backward: tuple | None):
         arguments = _stateful((args, kwargs))  # pickling leaves out .grad: it goes with each tensor's state
@@ -89,9 +90,9 @@ class AnswerProcess:
             result = _decode(result, arguments)
             if backward is None:
                 return result
-            grads, error = gradients
+            grads, error, called = gradients
             return Differentiated(result, None if grads is None else tuple(grads),
-                                  None if error is None else _stand_in_error(*error))
+                                  None if error is None else _stand_in_error(*error), frozenset(called))
         if reply[0] == "timed_out":
             raise _CheckTimedOut(reply[1])
         if reply[0] == "not_yet":
@@ -188,7 +189,11 @@ def _answer_call(answer: Callable, request: tuple) -> tuple:
     _apply_states(stateful, states)
     _set_random_streams(streams)  # the check's seeded streams, where it left them, as in one process
     try:
-        result = answer(*args, **kwargs)
+        if backward is not None:  # the call and its backward pass, both here (`_backward` reads the outcome)
+            backward = watched_call(answer, args, *backward)
+            result = backward.result
+        else:
+            result = answer(*args, **kwargs)
     except _CheckTimedOut:
         raise
     except BaseException as error:  # each becomes the check's "raised" line, as in one process
@@ -197,18 +202,17 @@ def _answer_call(answer: Callable, request: tuple) -> tuple:
         result = _plain(result)
     except NotYet as refused:  # a tensor subclass that rewrites torch's operations
         return ("not_yet", refused.problem, refused.hint)
-    gradients = None if backward is None else _backward(result, args, *backward)
+    gradients = None if backward is None else _backward(backward)
     return ("returned", _encode(result, stateful), [_state(item, stateful) for item in stateful], _random_streams(),
             gradients)
 
 
-def _backward(result, args: tuple, wrt: tuple[int, ...], upstream) -> tuple:
-    """The gradients `differentiate` takes from ``result``, as data: (tensors or None, error or None)."""
-    done = differentiate(result, [args[i] for i in wrt], upstream)
+def _backward(done: Differentiated) -> tuple:
+    """What `watched_call` found besides the result, as data: (gradients or None, error or None, names called)."""
     grads = None if done.grads is None else [None if g is None else g.detach().as_subclass(torch.Tensor)
                                              for g in done.grads]
     error = None if done.error is None else (_kind(done.error), type(done.error).__name__, str(done.error))
-    return grads, error
+    return grads, error, sorted(done.called)
 
 
 def _kind(error: BaseException) -> str:
@@ -235,6 +239,10 @@ def _stateful(value, found: list | None = None, seen: set | None = None) -> list
                 found.append(tensor)
         for hook in (h for m in value.modules() for hooks in _hook_dicts(m) for h in hooks.values()):
             _stateful(hook, found, seen)  # a check's `labkit.exercises.Recorder` brings its notes back
+    elif isinstance(value, torch.optim.Optimizer):  # its state, then the tensors it steps, with their .grad
+        found.append(value)
+        for tensor in (t for group in value.param_groups for t in group["params"]):
+            _stateful(tensor, found, seen)
     elif isinstance(value, list | tuple | dict):
         if not isinstance(value, tuple):
             found.append(value)
@@ -282,10 +290,18 @@ def _apply_states(items: list, states: list) -> None:
         elif kind == "module":
             _set_module(item, state)
         elif kind == "state_dict":
-            item.load_state_dict(state)
+            _load_state_dict(item, state)
     for item, (kind, state) in zip(items, states):  # once every tensor is as the answer left it
         if kind == "items":
             _refill(item, state, items)
+
+
+def _load_state_dict(item, state) -> None:
+    item.load_state_dict(state)
+    if isinstance(item, GradScaler) and item.is_enabled():
+        # An unpickled scaler makes its scale tensor lazily, at its first scale() call: without one, an
+        # answer's scaler.step would stop at "_scale is None". The judge's scalers are on the CPU.
+        item.scale(torch.ones(()))
 
 
 def _set_tensor(tensor: torch.Tensor, state) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import math
 import os
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit._torch_compat import use_deterministic_algorithms
-from labkit.exercises import Differentiated, Exercise, NotYet, differentiate
+from labkit.exercises import Differentiated, Exercise, NotYet, watched_call
 
 __all__: list[str] = []
 
@@ -84,13 +85,13 @@ class _Attempt:
     def __call__(self, *args, **kwargs):
         return _plain(self._run(self.answer, *args, **kwargs))
 
-    def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream) -> Differentiated:
+    def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream, watch: bool) -> Differentiated:
         """`labkit.exercises.call_and_differentiate` on the answer: across, where the answer runs apart."""
         across = getattr(self.answer, "call_and_differentiate", None)
         if across is None:
-            return differentiate(self(*args), [args[i] for i in wrt], upstream)
-        done = self._run(across, args, wrt, upstream)
-        return Differentiated(_plain(done.result), done.grads, done.error)
+            return watched_call(self, args, wrt, upstream, watch)
+        done = self._run(across, args, wrt, upstream, watch)
+        return dataclasses.replace(done, result=_plain(done.result))
 
     def _run(self, function: Callable, *args, **kwargs):
         thread = threading.get_ident()

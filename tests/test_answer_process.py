@@ -19,7 +19,7 @@ from labkit.exercises import Differentiated, call_and_differentiate
 
 def across(answer, *args, backward=None):
     """Call ``answer`` on a copy of ``args`` as the answer process would, and give the judge its reply (with
-    ``backward`` = (wrt, upstream): the result and the gradients, as `AnswerProcess.call_and_differentiate`)."""
+    ``backward`` = (wrt, upstream, watch): the result and the gradients, as `AnswerProcess.call_and_differentiate`)."""
     arguments = crossing._stateful((args, {}))
     request = pickle.dumps((args, {}, [crossing._state(item, arguments) for item in arguments],
                             crossing._random_streams(), backward))
@@ -32,9 +32,9 @@ def across(answer, *args, backward=None):
     result = crossing._decode(result, arguments)
     if backward is None:
         return result
-    grads, error = gradients
+    grads, error, called = gradients
     return Differentiated(result, None if grads is None else tuple(grads),
-                          None if error is None else crossing._stand_in_error(*error))
+                          None if error is None else crossing._stand_in_error(*error), frozenset(called))
 
 
 def test_changes_to_the_arguments_come_back_into_the_judges_own_objects():
@@ -75,8 +75,10 @@ def test_a_backward_pass_across_gives_what_it_gives_in_one_process(answer):
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     w, upstream = torch.randn(4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
     upstream = upstream if answer is scaled_sum else torch.randn(3, 4, dtype=torch.float64)
-    here = call_and_differentiate(answer, (x, w), wrt=(0,), upstream=upstream)
-    there = across(answer, x, w, backward=((0,), upstream))
+    here = call_and_differentiate(answer, (x, w), wrt=(0,), upstream=upstream, watch=True)
+    there = across(answer, x, w, backward=((0,), upstream, True))
+    ran = {"mul", "sum"} if answer is scaled_sum else {"mean", "div_", "sqrt"}
+    assert here.called == there.called and ran <= here.called, here.called
     assert torch.equal(there.result, here.result.detach()) and there.result.requires_grad
     if here.error is None:
         assert torch.equal(there.grads[0], here.grads[0])
@@ -92,11 +94,26 @@ def test_a_backward_pass_across_gives_what_it_gives_in_one_process(answer):
 def test_no_graph_gives_no_gradients_and_an_unused_input_a_none_either_way():
     x, unused = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
     assert call_and_differentiate(lambda x: x.detach() * 2, (x,), wrt=(0,)).gradients() is None
-    assert across(lambda x: x.detach() * 2, x, backward=((0,), None)).gradients() is None
+    assert across(lambda x: x.detach() * 2, x, backward=((0,), None, False)).gradients() is None
     for differentiated in (call_and_differentiate(lambda x, u: x * 2, (x, unused), wrt=(0, 1)),
-                           across(lambda x, u: x * 2, x, unused, backward=((0, 1), None))):
+                           across(lambda x, u: x * 2, x, unused, backward=((0, 1), None, False))):
         grad_x, grad_unused = differentiated.gradients()
         assert torch.equal(grad_x, torch.full((2,), 2.0)) and grad_unused is None
+
+
+def test_an_optimizer_brings_its_parameters_grads_and_a_scaler_its_scale():
+    # 10.2's fixture: the judge sets .grad and scales; the answer gets only the scaler and the optimizer
+    param = torch.zeros(3, requires_grad=True)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    param.grad = scaler.scale(torch.ones(3))
+
+    def step_and_update(scaler, optimizer):
+        scaler.step(optimizer)  # unscales the .grad it finds through the optimizer
+        scaler.update(2.0)
+
+    across(step_and_update, scaler, optimizer)
+    assert torch.equal(param.detach(), torch.full((3,), -0.1)) and scaler.get_scale() == 2.0
 
 
 def test_an_object_that_is_not_data_comes_back_as_a_stand_in_of_its_type():

@@ -10,6 +10,7 @@ keeping the score is `labkit.grading`'s job. docs/AUTHORING.md ("Exercises") say
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import pkgutil
@@ -151,11 +152,13 @@ def torch_error_clause(error: RuntimeError) -> str:
 class Differentiated:
     """What the learner's function returned, and the gradients of that result with respect to some of its
     arguments (`call_and_differentiate`): ``grads`` is None when the result is no tensor that requires
-    grad; ``error`` is what backward raised, which `gradients` raises where the check needs them."""
+    grad; ``error`` is what backward raised, which `gradients` raises where the check needs them;
+    ``called`` the names of the torch functions the call ran, when it was watched (`TorchCalls`)."""
 
     result: object
     grads: tuple | None
     error: BaseException | None = None
+    called: frozenset[str] = frozenset()
 
     def gradients(self) -> tuple | None:
         if self.error is not None:
@@ -164,17 +167,29 @@ class Differentiated:
 
 
 def call_and_differentiate(function: Callable, args: tuple, wrt: tuple[int, ...],
-                           upstream: torch.Tensor | None = None) -> Differentiated:
+                           upstream: torch.Tensor | None = None, watch: bool = False) -> Differentiated:
     """Call ``function(*args)`` and backpropagate ``upstream`` (ones when None) from its result to
-    ``args[i]`` for each ``i`` in ``wrt``, in the process the answer runs in.
+    ``args[i]`` for each ``i`` in ``wrt``, in the process the answer runs in; with ``watch``, also name
+    the torch functions the call ran (`TorchCalls`).
 
     A check that differentiates through an answer's result uses this instead of calling
     ``torch.autograd.grad`` itself: when the answer runs in a process of its own (``answer_apart``) its
     autograd graph cannot cross, so the backward pass runs there and the gradients come back as data."""
     across = getattr(function, "call_and_differentiate", None)
     if across is not None:
-        return across(args, wrt, upstream)
-    return differentiate(function(*args), [args[i] for i in wrt], upstream)
+        return across(args, wrt, upstream, watch)
+    return watched_call(function, args, wrt, upstream, watch)
+
+
+def watched_call(function: Callable, args: tuple, wrt: tuple[int, ...], upstream: torch.Tensor | None,
+                 watch: bool) -> Differentiated:
+    """`call_and_differentiate` where the answer runs: the call (watched or not), then `differentiate`."""
+    if not watch:
+        return differentiate(function(*args), [args[i] for i in wrt], upstream)
+    with TorchCalls() as calls:
+        result = function(*args)
+    done = differentiate(result, [args[i] for i in wrt], upstream)
+    return dataclasses.replace(done, called=frozenset(f.__name__ for f in calls.functions))
 
 
 def differentiate(result, inputs: list, upstream: torch.Tensor | None) -> Differentiated:

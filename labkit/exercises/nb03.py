@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.exercises import Hint, NotYet, TorchCalls, exercise, torch_error_clause
+from labkit.exercises import Hint, NotYet, TorchCalls, call_and_differentiate, exercise, torch_error_clause
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -38,6 +38,7 @@ TOLERANCE = 1e-9
         "backward through your output raised RuntimeError: one of the variables needed for "
         "gradient computation has been modified by an inplace operation"
     ),
+    answer_apart=True,
 )
 def check_layer_norm_rows(layer_norm_rows: Callable) -> str:
     """Values and gradients must match F.layer_norm on random and constant rows, for two eps values."""
@@ -93,9 +94,9 @@ def _output_and_gradient(layer_norm_rows: Callable, rows: torch.Tensor, upstream
                          eps: float, label: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The learner's output and the gradient backward sends into x, after the structural checks."""
     x = rows.clone().requires_grad_()
-    with TorchCalls() as calls:
-        out = layer_norm_rows(x, eps)
-    built_in = sorted(function.__name__ for function in calls.functions & _BUILT_IN_NORMS)
+    differentiated = call_and_differentiate(layer_norm_rows, (x, eps), wrt=(0,), upstream=upstream, watch=True)
+    out = differentiated.result
+    built_in = sorted(differentiated.called & _BUILT_IN_NORMS)
     if built_in:
         raise NotYet(
             f"your function calls torch's own {built_in[0]}, so it shows nothing about the in-place division and "
@@ -110,14 +111,15 @@ def _output_and_gradient(layer_norm_rows: Callable, rows: torch.Tensor, upstream
         raise NotYet("the output does not require grad, so no gradient can reach x",
                      hint="avoid torch.no_grad() and .detach() inside the function")
     try:
-        (grad,) = torch.autograd.grad((out * upstream).sum(), x)
+        (grad,) = differentiated.gradients()
     except RuntimeError as error:
         raise NotYet(f"backward through your output raised RuntimeError: {torch_error_clause(error)}") from error
     return out, grad
 
 
-_BUILT_IN_NORMS = {F.layer_norm, torch.layer_norm, torch.native_layer_norm, F.group_norm, F.instance_norm,
-                   F.rms_norm, torch.rms_norm}
+# By name, as a call watched in the answer's own process reports them.
+_BUILT_IN_NORMS = {f.__name__ for f in (F.layer_norm, torch.layer_norm, torch.native_layer_norm, F.group_norm,
+                                        F.instance_norm, F.rms_norm, torch.rms_norm)}
 
 
 def _describe(value: object) -> str:

@@ -41,20 +41,20 @@ TOLERANCE = 1e-6
         ),
     ),
     planted="the optimizer stepped with gradients still multiplied by the loss scale",
+    answer_apart=True,
 )
 def check_amp_step(amp_step: Callable) -> str:
     """Three clean steps and one overflowing step must match the documented AMP recipe."""
     batches = _amp_batches()
     model, optimizer, scaler = _amp_fixture()
     reference, ref_optimizer, ref_scaler = _amp_fixture()
-    calls = _counting_calls(scaler, ("step", "update"))
     for step, (x, y) in enumerate(batches, start=1):
         before = [p.detach().clone() for p in model.parameters()]
         loss = amp_step(model, optimizer, scaler, x, y)
         expected_loss = _reference_amp_step(reference, ref_optimizer, ref_scaler, x, y)
         _require_float_loss(loss, expected_loss, step)
         _require_same_step(model, reference, before, ref_scaler.get_scale(), step)
-        _require_updated(calls, step)
+        _require_updated(scaler.calls, step)
         _require_same_scale(scaler, ref_scaler, step)
     return (
         f"{len(batches)} steps match autocast + scaler.step + scaler.update, including a skipped step "
@@ -65,7 +65,7 @@ def check_amp_step(amp_step: Callable) -> str:
 def _amp_fixture() -> tuple[nn.Module, torch.optim.Optimizer, GradScaler]:
     torch.manual_seed(0)
     model = nn.Linear(FEATURES, CLASSES)
-    scaler = GradScaler("cpu")
+    scaler = _CountingScaler()
     # A scaler makes its scale at its first scale() call; making it now lets an answer that never scales
     # the loss run its scaler.step, so the check can say what that step did instead of quoting torch's assertion.
     scaler.scale(torch.ones(()))
@@ -144,22 +144,29 @@ def _require_same_step(model, reference, before, scale: float, step: int) -> Non
     )
 
 
-def _counting_calls(scaler: GradScaler, methods: tuple[str, ...]) -> dict[str, int]:
-    """Count the answer's calls of the fixture scaler's ``methods`` (instance attributes shadow the class's)."""
-    calls = dict.fromkeys(methods, 0)
+class _CountingScaler(GradScaler):
+    """A CPU GradScaler that counts the answer's calls of its step and update in its state_dict, so the
+    counts come back also from an answer that runs in a process of its own (``answer_apart``)."""
 
-    def counted(method: str) -> Callable:
-        original = getattr(scaler, method)
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.calls = {"step": 0, "update": 0}
 
-        def call(*args, **kwargs):
-            calls[method] += 1
-            return original(*args, **kwargs)
+    def step(self, *args, **kwargs):
+        self.calls["step"] += 1
+        return super().step(*args, **kwargs)
 
-        return call
+    def update(self, *args, **kwargs):
+        self.calls["update"] += 1
+        return super().update(*args, **kwargs)
 
-    for method in methods:
-        setattr(scaler, method, counted(method))
-    return calls
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "calls": dict(self.calls)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        self.calls.update(state.pop("calls"))
+        super().load_state_dict(state)
 
 
 def _require_updated(calls: dict[str, int], step: int) -> None:
@@ -206,6 +213,7 @@ PARAMETERS = 6
         ),
     ),
     planted="the scale was allowed to reach 0",
+    answer_apart=True,
 )
 def check_step_and_update(step_and_update: Callable) -> str:
     """Clean steps must match a plain scaler; a NaN burst must leave the scale >= floor and the parameters finite."""

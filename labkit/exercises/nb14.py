@@ -32,6 +32,21 @@ class _AugmentingDataset:
         self.images = torch.zeros(4, 2)
         self.generator = torch.Generator().manual_seed(0)
 
+    # Its state as data, so what the answer did to it comes back from an answer's own process (answer_apart).
+    def state_dict(self) -> dict:
+        seeded = isinstance(self.generator, torch.Generator)
+        return {"images": self.images, "generator": type(self.generator).__name__,
+                "generator_state": self.generator.get_state() if seeded else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.images = state["images"]
+        if state["generator_state"] is None:  # not a torch.Generator: a stand-in, so the check words its type
+            self.generator = type(str(state["generator"]), (), {})()
+            return
+        if not isinstance(self.generator, torch.Generator):
+            self.generator = torch.Generator()
+        self.generator.set_state(state["generator_state"])
+
 
 @exercise(
     "14.1",
@@ -47,6 +62,7 @@ class _AugmentingDataset:
         ),
     ),
     planted="drew the same numbers from dataset.generator",
+    answer_apart=True,
 )
 def check_seed_dataset_generator(seed_dataset_generator: Callable) -> str:
     """Per-worker copies must draw different numbers, per epoch too, and the same seed must repeat."""
