@@ -72,27 +72,32 @@ class AnswerProcess:
         with self.turn:
             return self._call(args, kwargs, None)
 
+    def call_and_then(self, args: tuple, then: Callable):
+        """The call, then ``then(result, *args)``, both in the answer process (`labkit.exercises.call_and_then`)."""
+        with self.turn:
+            return self._call(args, {}, ("then", then))
+
     def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream, watch: bool) -> Differentiated:
         """The call, and the backward pass from its result (`labkit.exercises.call_and_differentiate`),
         both in the answer process: the result's graph stays there, its gradients come back as data."""
         with self.turn:
-            return self._call(args, {}, (tuple(wrt), upstream, watch))
+            return self._call(args, {}, ("differentiate", tuple(wrt), upstream, watch))
 
     def _call(self, args: tuple, kwargs: dict, backward: tuple | None):
         arguments = _stateful((args, kwargs))  # pickling leaves out .grad: it goes with each tensor's state
         states = [_state(item, arguments) for item in arguments]
-        _send(self.channel, pickle.dumps((args, kwargs, states, _random_streams(), backward)))
+        _send(self.channel, pickle.dumps((args, kwargs, states, _random_streams(), torch.is_grad_enabled(), backward)))
         reply = self._receive()
         if reply[0] == "returned":
             _, result, states, streams, gradients = reply
             _set_random_streams(streams)
             _apply_states(arguments, states)
             result = _decode(result, arguments)
-            if backward is None:
+            if backward is None or backward[0] == "then":
                 return result
-            grads, error, called = gradients
+            grads, error, called, built_graph = gradients
             return Differentiated(result, None if grads is None else tuple(grads),
-                                  None if error is None else _stand_in_error(*error), frozenset(called))
+                                  None if error is None else _stand_in_error(*error), frozenset(called), built_graph)
         if reply[0] == "timed_out":
             raise _CheckTimedOut(reply[1])
         if reply[0] == "not_yet":
@@ -184,35 +189,47 @@ def _serve(channel: socket.socket, request: dict) -> None:
 
 
 def _answer_call(answer: Callable, request: tuple) -> tuple:
-    args, kwargs, states, streams, backward = request
+    args, kwargs, states, streams, grad_enabled, after = request
     stateful = _stateful((args, kwargs))  # found before the call, as the judge found them: it reads the reply so
     _apply_states(stateful, states)
     _set_random_streams(streams)  # the check's seeded streams, where it left them, as in one process
-    try:
-        if backward is not None:  # the call and its backward pass, both here (`_backward` reads the outcome)
-            backward = watched_call(answer, args, *backward)
-            result = backward.result
-        else:
-            result = answer(*args, **kwargs)
-    except _CheckTimedOut:
-        raise
-    except BaseException as error:  # each becomes the check's "raised" line, as in one process
-        return ("raised", _kind(error), type(error).__name__, str(error))
-    try:
-        result = _plain(result)
-    except NotYet as refused:  # a tensor subclass that rewrites torch's operations
-        return ("not_yet", refused.problem, refused.hint)
-    gradients = None if backward is None else _backward(backward)
+    gradients = None
+    with torch.set_grad_enabled(grad_enabled):  # as the check called it (autograd calls a backward without)
+        try:
+            if after is not None and after[0] == "differentiate":  # the call and its backward pass, both here
+                gradients = watched_call(answer, args, *after[1:])
+                result = gradients.result
+            else:
+                result = answer(*args, **kwargs)
+        except _CheckTimedOut:
+            raise
+        except BaseException as error:  # each becomes the check's "raised" line, as in one process
+            return _raised(error)
+        try:
+            result = _plain(result)
+            if after is not None and after[0] == "then":  # the check's own next step: what it returns is the reply
+                result = after[1](result, *args)
+        except _CheckTimedOut:
+            raise
+        except NotYet as refused:  # `_plain` refusing the result, or the check's `then` (as in one process)
+            return ("not_yet", refused.problem, refused.hint)
+        except BaseException as error:
+            return _raised(error)
     return ("returned", _encode(result, stateful), [_state(item, stateful) for item in stateful], _random_streams(),
-            gradients)
+            None if gradients is None else _backward(gradients))
+
+
+def _raised(error: BaseException) -> tuple:
+    return ("raised", _kind(error), type(error).__name__, str(error))
 
 
 def _backward(done: Differentiated) -> tuple:
-    """What `watched_call` found besides the result, as data: (gradients or None, error or None, names called)."""
+    """What `watched_call` found besides the result, as data: (gradients or None, error or None, names called,
+    whether the call built an autograd graph)."""
     grads = None if done.grads is None else [None if g is None else g.detach().as_subclass(torch.Tensor)
                                              for g in done.grads]
     error = None if done.error is None else (_kind(done.error), type(done.error).__name__, str(done.error))
-    return grads, error, sorted(done.called)
+    return grads, error, sorted(done.called), done.built_graph
 
 
 def _kind(error: BaseException) -> str:

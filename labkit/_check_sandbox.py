@@ -85,6 +85,18 @@ class _Attempt:
     def __call__(self, *args, **kwargs):
         return _plain(self._run(self.answer, *args, **kwargs))
 
+    def call_and_then(self, args: tuple, then: Callable):
+        """`labkit.exercises.call_and_then` on the answer: across, where the answer runs apart."""
+        across = getattr(self.answer, "call_and_then", None)
+        if across is None:
+            return self._run(then, self(*args), *args)
+        return self._run(across, args, then)
+
+    @property
+    def _apart(self) -> bool:
+        """Whether the answer runs in a process of its own (`labkit._answer_process`)."""
+        return hasattr(self.answer, "call_and_then")
+
     def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream, watch: bool) -> Differentiated:
         """`labkit.exercises.call_and_differentiate` on the answer: across, where the answer runs apart."""
         across = getattr(self.answer, "call_and_differentiate", None)
@@ -103,6 +115,10 @@ class _Attempt:
             raise
         except KeyboardInterrupt:
             raise
+        except NotYet as verdict:
+            if self._apart or function is not self.answer:
+                raise  # a verdict: the answer process's refusal of a result (`_plain`), or a check's `then`
+            raise _AnswerRaised(verdict) from verdict
         except BaseException as error:  # SystemExit and GeneratorExit too: each becomes a "not yet" line
             raise _AnswerRaised(error) from error
         finally:

@@ -14,15 +14,16 @@ import torch
 from torch import nn
 
 from labkit import _answer_process as crossing
-from labkit.exercises import Differentiated, call_and_differentiate
+from labkit.exercises import Differentiated, NotYet, call_and_differentiate
 
 
 def across(answer, *args, backward=None):
     """Call ``answer`` on a copy of ``args`` as the answer process would, and give the judge its reply (with
     ``backward`` = (wrt, upstream, watch): the result and the gradients, as `AnswerProcess.call_and_differentiate`)."""
+    backward = None if backward is None else ("differentiate", *backward)
     arguments = crossing._stateful((args, {}))
     request = pickle.dumps((args, {}, [crossing._state(item, arguments) for item in arguments],
-                            crossing._random_streams(), backward))
+                            crossing._random_streams(), torch.is_grad_enabled(), backward))
     reply = crossing._answer_call(answer, pickle.loads(request))  # noqa: S301 (made just above)
     buffer = io.BytesIO()
     torch.save(reply, buffer)
@@ -32,9 +33,9 @@ def across(answer, *args, backward=None):
     result = crossing._decode(result, arguments)
     if backward is None:
         return result
-    grads, error, called = gradients
+    grads, error, called, built_graph = gradients
     return Differentiated(result, None if grads is None else tuple(grads),
-                          None if error is None else crossing._stand_in_error(*error), frozenset(called))
+                          None if error is None else crossing._stand_in_error(*error), frozenset(called), built_graph)
 
 
 def test_changes_to_the_arguments_come_back_into_the_judges_own_objects():
@@ -79,6 +80,7 @@ def test_a_backward_pass_across_gives_what_it_gives_in_one_process(answer):
     there = across(answer, x, w, backward=((0,), upstream, True))
     ran = {"mul", "sum"} if answer is scaled_sum else {"mean", "div_", "sqrt"}
     assert here.called == there.called and ran <= here.called, here.called
+    assert here.built_graph and there.built_graph
     assert torch.equal(there.result, here.result.detach()) and there.result.requires_grad
     if here.error is None:
         assert torch.equal(there.grads[0], here.grads[0])
@@ -114,6 +116,50 @@ def test_an_optimizer_brings_its_parameters_grads_and_a_scaler_its_scale():
 
     across(step_and_update, scaler, optimizer)
     assert torch.equal(param.detach(), torch.full((3,), -0.1)) and scaler.get_scale() == 2.0
+
+
+def test_the_answer_runs_in_the_grad_mode_the_check_called_it_in():
+    def graph_built(x):
+        return x.requires_grad_() * 2
+
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode):
+            assert across(graph_built, torch.ones(2)).requires_grad is grad_mode
+
+
+def reply_to(answer, args, after):
+    """The answer process's raw reply to a call of ``answer`` on ``args`` with ``after`` (None, or ("then", f))."""
+    arguments = crossing._stateful((args, {}))
+    request = pickle.dumps((args, {}, [crossing._state(item, arguments) for item in arguments],
+                            crossing._random_streams(), torch.is_grad_enabled(), after))
+    return crossing._answer_call(answer, pickle.loads(request))  # noqa: S301 (made just above)
+
+
+def forwards_counted(handle_and_notes, model):
+    handle, notes = handle_and_notes
+    model(torch.ones(1, 2))
+    handle.remove()
+    model(torch.ones(1, 2))
+    return len(notes)
+
+
+def refused(result, model):
+    raise NotYet("the check's own diagnosis")
+
+
+def test_a_checks_then_runs_where_the_answer_ran_and_only_its_not_yet_is_a_verdict():
+    def registers_a_hook(model):
+        notes = []
+        return model.register_forward_hook(lambda *_: notes.append(1)), notes
+
+    def raises_not_yet(model):
+        raise NotYet("an answer's own")
+
+    model = nn.Linear(2, 1)
+    kind, result, *_ = reply_to(registers_a_hook, (model,), ("then", forwards_counted))
+    assert (kind, crossing._decode(result, [])) == ("returned", 1)  # the hook and its handle stayed there
+    assert reply_to(registers_a_hook, (model,), ("then", refused))[:2] == ("not_yet", "the check's own diagnosis")
+    assert reply_to(raises_not_yet, (model,), ("then", refused))[:3] == ("raised", "Exception", "NotYet")
 
 
 def test_an_object_that_is_not_data_comes_back_as_a_stand_in_of_its_type():

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from labkit.errors import LabkitError
 
-__all__ = ["Differentiated", "NotYet", "call_and_differentiate", "exercise"]
+__all__ = ["Differentiated", "NotYet", "call_and_differentiate", "call_and_then", "exercise"]
 
 # A hint: one sentence, or a tuple of sentences shown one per failed try, from a nudge that names
 # what to look at to the explicit recipe (labkit.grading.hint_for picks one).
@@ -153,12 +153,14 @@ class Differentiated:
     """What the learner's function returned, and the gradients of that result with respect to some of its
     arguments (`call_and_differentiate`): ``grads`` is None when the result is no tensor that requires
     grad; ``error`` is what backward raised, which `gradients` raises where the check needs them;
-    ``called`` the names of the torch functions the call ran, when it was watched (`TorchCalls`)."""
+    ``called`` the names of the torch functions the call ran, and ``built_graph`` whether any of them built
+    an autograd graph, when it was watched (`TorchCalls`)."""
 
     result: object
     grads: tuple | None
     error: BaseException | None = None
     called: frozenset[str] = frozenset()
+    built_graph: bool = False
 
     def gradients(self) -> tuple | None:
         if self.error is not None:
@@ -181,6 +183,19 @@ def call_and_differentiate(function: Callable, args: tuple, wrt: tuple[int, ...]
     return watched_call(function, args, wrt, upstream, watch)
 
 
+def call_and_then(function: Callable, args: tuple, then: Callable):
+    """``then(function(*args), *args)``, both in the process the answer runs in, and what ``then`` returns.
+
+    For a check that must drive what the answer set up (hooks it registered, handles it returned) before it
+    can judge: ``then`` is a module-level function of the check module (it crosses by name), returns data
+    (numbers, tensors, lists, dicts), and may raise `NotYet`. The check still compares what comes back with
+    what it computed itself."""
+    across = getattr(function, "call_and_then", None)
+    if across is not None:
+        return across(args, then)
+    return then(function(*args), *args)
+
+
 def watched_call(function: Callable, args: tuple, wrt: tuple[int, ...], upstream: torch.Tensor | None,
                  watch: bool) -> Differentiated:
     """`call_and_differentiate` where the answer runs: the call (watched or not), then `differentiate`."""
@@ -189,7 +204,8 @@ def watched_call(function: Callable, args: tuple, wrt: tuple[int, ...], upstream
     with TorchCalls() as calls:
         result = function(*args)
     done = differentiate(result, [args[i] for i in wrt], upstream)
-    return dataclasses.replace(done, called=frozenset(f.__name__ for f in calls.functions))
+    return dataclasses.replace(done, called=frozenset(f.__name__ for f in calls.functions),
+                               built_graph=calls.built_graph)
 
 
 def differentiate(result, inputs: list, upstream: torch.Tensor | None) -> Differentiated:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.exercises import Hint, NotYet, TorchCalls, call_and_differentiate, exercise, torch_error_clause
+from labkit.exercises import Hint, NotYet, call_and_differentiate, exercise, torch_error_clause
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -141,6 +141,7 @@ def _describe(value: object) -> str:
         ),
     ),
     planted="gradcheck in float64 rejects your backward",
+    answer_apart=True,
 )
 def check_distance_backward(distance_backward: Callable) -> str:
     """gradcheck in float64, with a tight rtol, on three shapes; then a direct comparison for the message."""
@@ -173,9 +174,11 @@ def _custom_function(backward: Callable) -> Callable:
 
 def _require_gradient_shapes(backward: Callable, a: torch.Tensor, b: torch.Tensor) -> None:
     # Called as autograd calls a backward: grad mode off. A graph built in here is autograd doing the calculus.
-    with torch.no_grad(), TorchCalls() as calls:
-        result = backward(torch.ones(len(a), dtype=a.dtype), a.detach(), b.detach())
-    if calls.built_graph:
+    with torch.no_grad():
+        watched = call_and_differentiate(backward, (torch.ones(len(a), dtype=a.dtype), a.detach(), b.detach()),
+                                         wrt=(), watch=True)
+    result = watched.result
+    if watched.built_graph:
         raise NotYet(
             "your backward builds an autograd graph of its own and lets autograd differentiate the distance, "
             "so the derivative is never written down",

@@ -9,13 +9,14 @@ monitor's rule, blind to NaN).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, call_and_then, exercise
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -38,24 +39,18 @@ TOLERANCE = 1e-9
         ),
     ),
     planted="the hook saw only one backward pass's gradient",
+    answer_apart=True,
 )
 def check_record_grad_norms(record_grad_norms: Callable) -> str:
     """After k micro-batch backward passes the dict must hold every parameter's .grad norm; removing
     the handles must stop the recording."""
     model, batches = _accumulation_fixture()
     parameter_norms = {name: p.detach().norm().item() for name, p in model.named_parameters()}
-    last_pass_norms, before_last_norms = _pass_gradient_norms(model, batches)
-    result = record_grad_norms(model)
-    norms, handles = _unpack(result)
-    for x, y in batches:
-        nn.functional.mse_loss(model(x), y).backward()
-    expected = {name: p.grad.norm().item() for name, p in model.named_parameters()}
-    _require_norms(norms, expected, parameter_norms, last_pass_norms, before_last_norms)
-    for handle in handles:
-        handle.remove()
-    frozen = dict(norms)
-    nn.functional.mse_loss(model(batches[0][0]), batches[0][1]).backward()
-    if norms != frozen:
+    expected, last_pass_norms, before_last_norms = _pass_gradient_norms(model, batches)
+    # The passes run where the answer's hooks are: in its own process when it runs apart (answer_apart)
+    recorded, after_removal = call_and_then(record_grad_norms, (model,), functools.partial(_drive_passes, batches))
+    _require_norms(recorded, expected, parameter_norms, last_pass_norms, before_last_norms)
+    if after_removal != recorded:
         raise NotYet("after every handle was removed, another backward pass still changed the recorded norms")
     return (
         f"after {MICRO_BATCHES} accumulated backward passes every recorded norm equals the norm of .grad, "
@@ -76,6 +71,20 @@ def _accumulation_fixture() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.T
     return model, batches
 
 
+def _drive_passes(batches: list[tuple[torch.Tensor, torch.Tensor]], result: object,
+                  model: nn.Module) -> tuple[dict, dict]:
+    """After the answer registered its hooks: the micro-batch backward passes, the norms it recorded, then
+    the handles removed and one more pass, and the norms again."""
+    norms, handles = _unpack(result)
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+    recorded = dict(norms)
+    for handle in handles:
+        handle.remove()
+    nn.functional.mse_loss(model(batches[0][0]), batches[0][1]).backward()
+    return recorded, dict(norms)
+
+
 def _unpack(result: object) -> tuple[dict, list]:
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], dict)):
         raise NotYet(f"expected (norms, handles): a dict and a list of hook handles, got {type(result).__name__}")
@@ -87,14 +96,16 @@ def _unpack(result: object) -> tuple[dict, list]:
 
 def _pass_gradient_norms(
     model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Per parameter, the norm of the last pass's gradient alone and of the sum of the passes before it:
-    what a hook sees that reads the pass's gradient, or .grad before the last pass is added in."""
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Per parameter, the norm of .grad after every pass (the sum, added in pass order as backward adds),
+    of the last pass's gradient alone and of the sum of the passes before it: what a hook sees that reads
+    the pass's gradient, or .grad before the last pass is added in."""
     names, params = zip(*model.named_parameters())
     per_pass = [torch.autograd.grad(nn.functional.mse_loss(model(x), y), params) for x, y in batches]
+    accumulated = {name: sum(grads[i] for grads in per_pass).norm().item() for i, name in enumerate(names)}
     last = {name: grad.norm().item() for name, grad in zip(names, per_pass[-1])}
     before_last = {name: sum(grads[i] for grads in per_pass[:-1]).norm().item() for i, name in enumerate(names)}
-    return last, before_last
+    return accumulated, last, before_last
 
 
 def _require_norms(
