@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import io
 import os
 import pickle
@@ -72,10 +73,10 @@ class AnswerProcess:
         with self.turn:
             return self._call(args, kwargs, None)
 
-    def call_and_then(self, args: tuple, then: Callable):
-        """The call, then ``then(result, *args)``, both in the answer process (`labkit.exercises.call_and_then`)."""
+    def run_beside(self, driver: Callable, args: tuple):
+        """``driver(answer, *args)`` in the answer process (`labkit.exercises.run_beside`): what it returns, as data."""
         with self.turn:
-            return self._call(args, {}, ("then", then))
+            return self._call(args, {}, ("beside", driver))
 
     def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream, watch: bool) -> Differentiated:
         """The call, and the backward pass from its result (`labkit.exercises.call_and_differentiate`),
@@ -93,7 +94,7 @@ class AnswerProcess:
             _set_random_streams(streams)
             _apply_states(arguments, states)
             result = _decode(result, arguments)
-            if backward is None or backward[0] == "then":
+            if backward is None or backward[0] == "beside":
                 return result
             grads, error, called, built_graph = gradients
             return Differentiated(result, None if grads is None else tuple(grads),
@@ -196,27 +197,41 @@ def _answer_call(answer: Callable, request: tuple) -> tuple:
     gradients = None
     with torch.set_grad_enabled(grad_enabled):  # as the check called it (autograd calls a backward without)
         try:
-            if after is not None and after[0] == "differentiate":  # the call and its backward pass, both here
-                gradients = watched_call(answer, args, *after[1:])
-                result = gradients.result
-            else:
-                result = answer(*args, **kwargs)
+            if after is None:
+                result = _plain(_AnswersOwn.calling(answer, *args, **kwargs))
+            elif after[0] == "beside":  # the check's driver calls the answer here: what it returns is the reply
+                result = after[1](functools.partial(_AnswersOwn.calling, answer), *args)
+            else:  # the call and its backward pass, both here
+                gradients = watched_call(functools.partial(_AnswersOwn.calling, answer), args, *after[1:])
+                result = _plain(gradients.result)
         except _CheckTimedOut:
             raise
-        except BaseException as error:  # each becomes the check's "raised" line, as in one process
-            return _raised(error)
-        try:
-            result = _plain(result)
-            if after is not None and after[0] == "then":  # the check's own next step: what it returns is the reply
-                result = after[1](result, *args)
-        except _CheckTimedOut:
-            raise
-        except NotYet as refused:  # `_plain` refusing the result, or the check's `then` (as in one process)
+        except _AnswersOwn as raised:  # each becomes the check's "raised" line, as in one process
+            return _raised(raised.error)
+        except NotYet as refused:  # `_plain` refusing the result, or the check's driver (as in one process)
             return ("not_yet", refused.problem, refused.hint)
-        except BaseException as error:
+        except BaseException as error:  # the driver's own, which in one process the answer's call raises too
             return _raised(error)
     return ("returned", _encode(result, stateful), [_state(item, stateful) for item in stateful], _random_streams(),
             None if gradients is None else _backward(gradients))
+
+
+class _AnswersOwn(Exception):
+    """What the answer itself raised, told apart from a check driver's `NotYet` on its way out."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+    @staticmethod
+    def calling(answer: Callable, *args, **kwargs):
+        try:
+            result = answer(*args, **kwargs)
+        except _CheckTimedOut:
+            raise
+        except BaseException as error:
+            raise _AnswersOwn(error) from error
+        return _plain(result)
 
 
 def _raised(error: BaseException) -> tuple:

@@ -85,17 +85,17 @@ class _Attempt:
     def __call__(self, *args, **kwargs):
         return _plain(self._run(self.answer, *args, **kwargs))
 
-    def call_and_then(self, args: tuple, then: Callable):
-        """`labkit.exercises.call_and_then` on the answer: across, where the answer runs apart."""
-        across = getattr(self.answer, "call_and_then", None)
+    def run_beside(self, driver: Callable, args: tuple):
+        """`labkit.exercises.run_beside` on the answer: across, where the answer runs apart."""
+        across = getattr(self.answer, "run_beside", None)
         if across is None:
-            return self._run(then, self(*args), *args)
-        return self._run(across, args, then)
+            return self._run(driver, self, *args)
+        return self._run(across, driver, args)
 
     @property
     def _apart(self) -> bool:
         """Whether the answer runs in a process of its own (`labkit._answer_process`)."""
-        return hasattr(self.answer, "call_and_then")
+        return hasattr(self.answer, "run_beside")
 
     def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream, watch: bool) -> Differentiated:
         """`labkit.exercises.call_and_differentiate` on the answer: across, where the answer runs apart."""
@@ -113,11 +113,11 @@ class _Attempt:
         except _CheckTimedOut:
             self.stopped = True
             raise
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, _AnswerRaised):  # the second: raised by the answer inside a check's driver
             raise
         except NotYet as verdict:
             if self._apart or function is not self.answer:
-                raise  # a verdict: the answer process's refusal of a result (`_plain`), or a check's `then`
+                raise  # a verdict: the answer process's refusal of a result (`_plain`), or a check's driver
             raise _AnswerRaised(verdict) from verdict
         except BaseException as error:  # SystemExit and GeneratorExit too: each becomes a "not yet" line
             raise _AnswerRaised(error) from error

@@ -135,7 +135,7 @@ def _grade_apart(request: dict, answer: _answer_process.AnswerProcess) -> dict:
 
         call_the_answer.__name__ = request["function"]
         call_the_answer.call_and_differentiate = answer.call_and_differentiate
-        call_the_answer.call_and_then = answer.call_and_then
+        call_the_answer.run_beside = answer.run_beside
         return _judged(request, answer.cell(), call_the_answer)
     finally:
         answer.end()

@@ -128,26 +128,27 @@ def test_the_answer_runs_in_the_grad_mode_the_check_called_it_in():
 
 
 def reply_to(answer, args, after):
-    """The answer process's raw reply to a call of ``answer`` on ``args`` with ``after`` (None, or ("then", f))."""
+    """The answer process's raw reply to a call of ``answer`` on ``args`` with ``after`` (None, or ("beside", f))."""
     arguments = crossing._stateful((args, {}))
     request = pickle.dumps((args, {}, [crossing._state(item, arguments) for item in arguments],
                             crossing._random_streams(), torch.is_grad_enabled(), after))
     return crossing._answer_call(answer, pickle.loads(request))  # noqa: S301 (made just above)
 
 
-def forwards_counted(handle_and_notes, model):
-    handle, notes = handle_and_notes
+def forwards_counted(answer, model):
+    handle, notes = answer(model)
     model(torch.ones(1, 2))
     handle.remove()
     model(torch.ones(1, 2))
     return len(notes)
 
 
-def refused(result, model):
+def refused(answer, model):
+    answer(model)
     raise NotYet("the check's own diagnosis")
 
 
-def test_a_checks_then_runs_where_the_answer_ran_and_only_its_not_yet_is_a_verdict():
+def test_a_checks_driver_runs_where_the_answer_ran_and_only_its_not_yet_is_a_verdict():
     def registers_a_hook(model):
         notes = []
         return model.register_forward_hook(lambda *_: notes.append(1)), notes
@@ -156,10 +157,10 @@ def test_a_checks_then_runs_where_the_answer_ran_and_only_its_not_yet_is_a_verdi
         raise NotYet("an answer's own")
 
     model = nn.Linear(2, 1)
-    kind, result, *_ = reply_to(registers_a_hook, (model,), ("then", forwards_counted))
+    kind, result, *_ = reply_to(registers_a_hook, (model,), ("beside", forwards_counted))
     assert (kind, crossing._decode(result, [])) == ("returned", 1)  # the hook and its handle stayed there
-    assert reply_to(registers_a_hook, (model,), ("then", refused))[:2] == ("not_yet", "the check's own diagnosis")
-    assert reply_to(raises_not_yet, (model,), ("then", refused))[:3] == ("raised", "Exception", "NotYet")
+    assert reply_to(registers_a_hook, (model,), ("beside", refused))[:2] == ("not_yet", "the check's own diagnosis")
+    assert reply_to(raises_not_yet, (model,), ("beside", refused))[:3] == ("raised", "Exception", "NotYet")
 
 
 def test_an_object_that_is_not_data_comes_back_as_a_stand_in_of_its_type():

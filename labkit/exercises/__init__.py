@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from labkit.errors import LabkitError
 
-__all__ = ["Differentiated", "NotYet", "call_and_differentiate", "call_and_then", "exercise"]
+__all__ = ["Differentiated", "NotYet", "call_and_differentiate", "exercise", "run_beside"]
 
 # A hint: one sentence, or a tuple of sentences shown one per failed try, from a nudge that names
 # what to look at to the explicit recipe (labkit.grading.hint_for picks one).
@@ -183,17 +183,19 @@ def call_and_differentiate(function: Callable, args: tuple, wrt: tuple[int, ...]
     return watched_call(function, args, wrt, upstream, watch)
 
 
-def call_and_then(function: Callable, args: tuple, then: Callable):
-    """``then(function(*args), *args)``, both in the process the answer runs in, and what ``then`` returns.
+def run_beside(function: Callable, driver: Callable, *args):
+    """``driver(function, *args)`` in the process the answer runs in, and what ``driver`` returns.
 
-    For a check that must drive what the answer set up (hooks it registered, handles it returned) before it
-    can judge: ``then`` is a module-level function of the check module (it crosses by name), returns data
-    (numbers, tensors, lists, dicts), and may raise `NotYet`. The check still compares what comes back with
-    what it computed itself."""
-    across = getattr(function, "call_and_then", None)
+    For a check that must call the answer inside an instrument (hooks around its forward, saved-tensor
+    hooks) or drive what the answer set up (hooks it registered, handles it returned): ``driver`` is a
+    module-level function of the check module (it crosses by name), returns data (numbers, tensors,
+    lists, dicts) and may raise `NotYet`; what the answer raises is the answer's, as with a plain call.
+    Where the answer runs apart, what ``driver`` reads there could be forged by the answer: the check
+    compares what comes back with what it computed itself wherever it can."""
+    across = getattr(function, "run_beside", None)
     if across is not None:
-        return across(args, then)
-    return then(function(*args), *args)
+        return across(driver, args)
+    return driver(function, *args)
 
 
 def watched_call(function: Callable, args: tuple, wrt: tuple[int, ...], upstream: torch.Tensor | None,

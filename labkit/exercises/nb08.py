@@ -9,14 +9,13 @@ monitor's rule, blind to NaN).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from labkit.exercises import NotYet, call_and_then, exercise
+from labkit.exercises import NotYet, exercise, run_beside
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -48,7 +47,7 @@ def check_record_grad_norms(record_grad_norms: Callable) -> str:
     parameter_norms = {name: p.detach().norm().item() for name, p in model.named_parameters()}
     expected, last_pass_norms, before_last_norms = _pass_gradient_norms(model, batches)
     # The passes run where the answer's hooks are: in its own process when it runs apart (answer_apart)
-    recorded, after_removal = call_and_then(record_grad_norms, (model,), functools.partial(_drive_passes, batches))
+    recorded, after_removal = run_beside(record_grad_norms, _drive_passes, model, batches)
     _require_norms(recorded, expected, parameter_norms, last_pass_norms, before_last_norms)
     if after_removal != recorded:
         raise NotYet("after every handle was removed, another backward pass still changed the recorded norms")
@@ -71,11 +70,11 @@ def _accumulation_fixture() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.T
     return model, batches
 
 
-def _drive_passes(batches: list[tuple[torch.Tensor, torch.Tensor]], result: object,
-                  model: nn.Module) -> tuple[dict, dict]:
-    """After the answer registered its hooks: the micro-batch backward passes, the norms it recorded, then
-    the handles removed and one more pass, and the norms again."""
-    norms, handles = _unpack(result)
+def _drive_passes(record_grad_norms: Callable, model: nn.Module,
+                  batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, dict]:
+    """The answer registers its hooks; then the micro-batch backward passes, the norms it recorded, the
+    handles removed and one more pass, and the norms again."""
+    norms, handles = _unpack(record_grad_norms(model))
     for x, y in batches:
         nn.functional.mse_loss(model(x), y).backward()
     recorded = dict(norms)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from labkit.exercises import NotYet, by_how_much, exercise
+from labkit.exercises import NotYet, by_how_much, exercise, run_beside
 from labkit.memory import saved_bytes
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
@@ -47,6 +47,7 @@ TOLERANCE = 1e-12
         ),
     ),
     planted="the inside of each block is still saved",
+    answer_apart=True,
 )
 def check_checkpointed_forward(checkpointed_forward: Callable) -> str:
     """Same output and gradients as the plain forward, with only each segment's input saved."""
@@ -78,6 +79,45 @@ def _checked_forward(checkpointed_forward: Callable) -> str:
 
 def _checked_segments(checkpointed_forward: Callable, blocks: nn.ModuleList, x: torch.Tensor, per_segment: int,
                       plain_output: torch.Tensor, plain_grads: tuple) -> int:
+    output, grads, saved = run_beside(checkpointed_forward, _segments_run, blocks, x, per_segment)
+    _require_same_output(output, plain_output)
+    if not output.requires_grad:
+        raise NotYet(
+            "the output does not require grad, so no parameter gets a gradient (reentrant checkpoint, "
+            "use_reentrant=True, behaves so when the input does not require grad)",
+            hint="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)",
+        )
+    _require_same_gradients(grads, plain_grads)
+    input_bytes = x.untyped_storage().nbytes()
+    segments = math.ceil(len(blocks) / per_segment)
+    if saved > len(blocks) * input_bytes:
+        raise NotYet(
+            f"with segments of {per_segment}, autograd kept {saved:,} B for backward, against "
+            f"{len(blocks) * input_bytes:,} B for the {len(blocks)} block inputs alone: the inside of each block "
+            "is still saved"
+        )
+    if saved > segments * input_bytes:
+        raise NotYet(
+            f"with segments of {per_segment} blocks, autograd kept {saved:,} B, one input per block, but "
+            f"only the {segments} segment inputs ({segments * input_bytes:,} B) need to be kept"
+        )
+    if saved < segments * input_bytes:
+        raise NotYet(
+            f"with segments of {per_segment} blocks, autograd kept {saved:,} B, fewer than the {segments} "
+            f"segment inputs ({segments * input_bytes:,} B): one checkpoint spans more than {per_segment} blocks, "
+            "so backward recomputes and holds all of them at once",
+            hint=(
+                "how many inputs does autograd keep, and how many segments did you ask for?",
+                "checkpoint each run of blocks_per_segment blocks on its own, one checkpoint call per segment",
+            ),
+        )
+    return saved
+
+
+def _segments_run(checkpointed_forward: Callable, blocks: nn.ModuleList, x: torch.Tensor,
+                  per_segment: int) -> tuple[object, tuple | None, int]:
+    """Where the answer runs: its forward, the bytes autograd keeps for backward meanwhile, and the gradients
+    of the output's sum of squares with respect to the blocks' parameters (None without a graph)."""
     saved: list[int] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,39 +126,10 @@ def _checked_segments(checkpointed_forward: Callable, blocks: nn.ModuleList, x: 
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = checkpointed_forward(blocks, x, per_segment)
-    _require_same_output(output, plain_output)
-    if not output.requires_grad:
-        raise NotYet(
-            "the output does not require grad, so no parameter gets a gradient (reentrant checkpoint, "
-            "use_reentrant=True, behaves so when the input does not require grad)",
-            hint="use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)",
-        )
-    grads = torch.autograd.grad(output.square().sum(), list(blocks.parameters()), allow_unused=True)
-    _require_same_gradients(grads, plain_grads)
-    input_bytes = x.untyped_storage().nbytes()
-    segments = math.ceil(len(blocks) / per_segment)
-    if sum(saved) > len(blocks) * input_bytes:
-        raise NotYet(
-            f"with segments of {per_segment}, autograd kept {sum(saved):,} B for backward, against "
-            f"{len(blocks) * input_bytes:,} B for the {len(blocks)} block inputs alone: the inside of each block "
-            "is still saved"
-        )
-    if sum(saved) > segments * input_bytes:
-        raise NotYet(
-            f"with segments of {per_segment} blocks, autograd kept {sum(saved):,} B, one input per block, but "
-            f"only the {segments} segment inputs ({segments * input_bytes:,} B) need to be kept"
-        )
-    if sum(saved) < segments * input_bytes:
-        raise NotYet(
-            f"with segments of {per_segment} blocks, autograd kept {sum(saved):,} B, fewer than the {segments} "
-            f"segment inputs ({segments * input_bytes:,} B): one checkpoint spans more than {per_segment} blocks, "
-            "so backward recomputes and holds all of them at once",
-            hint=(
-                "how many inputs does autograd keep, and how many segments did you ask for?",
-                "checkpoint each run of blocks_per_segment blocks on its own, one checkpoint call per segment",
-            ),
-        )
-    return sum(saved)
+    grads = None
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        grads = torch.autograd.grad(output.square().sum(), list(blocks.parameters()), allow_unused=True)
+    return output, grads, sum(saved)
 
 
 def _blocks_fixture() -> tuple[nn.ModuleList, torch.Tensor]:
