@@ -54,21 +54,23 @@ def _size(value) -> int:
     return math.prod(shape)
 
 
-def formatted(value) -> str:
-    """One measured value as the evidence prints it: three significant figures, thousands grouped,
-    yes/no for a bool, a list or dict item by item; a string as the notebook formatted it."""
+def formatted(value, grouped: bool = True) -> str:
+    """One measured value as the evidence prints it: three significant figures, thousands grouped (not
+    inside a list or dict, whose items a comma separates), yes/no for a bool, a list or dict item by item;
+    a string as the notebook formatted it."""
+    group = "," if grouped else ""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, int):
-        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+        return f"{value:{group}}" if abs(value) >= 10_000 else str(value)
     if isinstance(value, float):
         if abs(value) >= 100:
-            return f"{value:,.0f}"
+            return f"{value:{group}.0f}"
         return f"{value:.3g}" if value == 0 or abs(value) >= 1e-3 else f"{value:.2g}"
     if isinstance(value, dict):
-        return ", ".join(f"{key} {formatted(item)}" for key, item in value.items())
+        return ", ".join(f"{key} {formatted(item, grouped=False)}" for key, item in value.items())
     if isinstance(value, list):
-        return ", ".join(formatted(item) for item in value)
+        return ", ".join(formatted(item, grouped=False) for item in value)
     return str(value)
 
 

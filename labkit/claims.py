@@ -89,14 +89,15 @@ def case(case_id: str) -> Case:
     )
 
 
-def validate(case_id: str, verdict: str, evidence: str) -> None:
-    """Raise LabkitError unless the ID is catalogued, the verdict known and the evidence adequate."""
+def validate(case_id: str, verdict: str, evidence: str, measured: dict | None = None) -> None:
+    """Raise LabkitError unless the ID is catalogued, the verdict known and the evidence adequate: a
+    measured verdict rests on measured values (``measured``, a yes/no among them) or on numbers in its text."""
     case(case_id)
     if verdict not in VERDICTS:
         raise LabkitError(f"unknown verdict {verdict!r} for {case_id}: use one of {', '.join(VERDICTS)}")
     if not evidence or not evidence.strip():
         raise LabkitError(f"{case_id}: a verdict needs evidence; say what was measured (or why it cannot be)")
-    if verdict in MEASURED_VERDICTS and not re.search(r"\d", evidence):
+    if verdict in MEASURED_VERDICTS and not measured and not re.search(r"\d", evidence):
         raise LabkitError(
             f"{case_id}: a '{verdict}' verdict must carry the measured numbers in its evidence; got {evidence!r}"
         )
@@ -125,7 +126,7 @@ def check(case_id: str, verdict: str, measured: dict | None = None, *, note: str
         raise LabkitError(f"{case_id}: a '{verdict}' verdict rests on what was measured: pass the numbers as "
                           "measured={label: value, ...} (note= is for what is not a measurement)")
     evidence = _evidence.sentence(values, note, rule)
-    validate(case_id, verdict, evidence)
+    validate(case_id, verdict, evidence, values)
     if device_dependent is None:
         device_dependent = case(case_id).gpu_only or verdict == "needs-gpu"
     record = Verdict(case_id, verdict, evidence, claim or case(case_id).claim, device_dependent=device_dependent,

@@ -28,7 +28,7 @@ def collect(paths: list[str | Path]) -> list[dict]:
     for notebook in _notebooks(paths):
         for record in stored_records(notebook, CLAIM_MIME, CLAIM_FIELDS):
             try:
-                validate(record["id"], record["verdict"], record["evidence"])
+                validate(record["id"], record["verdict"], record["evidence"], record.get("measured"))
             except LabkitError as error:
                 raise LabkitError(f"{notebook}: {error}") from error
             records.append({k: record[k] for k in ("id", "notebook", "verdict", "evidence", "claim")}

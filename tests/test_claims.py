@@ -35,7 +35,6 @@ def test_unknown_id_is_an_error_that_suggests_close_ids():
     ("untestable", None, "   ", "needs evidence"),
     ("does-not-hold", None, "it looked fine", "pass the numbers as measured="),
     ("partly", None, "3 of 4 looked fine", "pass the numbers as measured="),
-    ("holds", {"looked fine": True}, "", "measured numbers"),
     ("holds", {}, "", "dict of label -> value"),
     ("holds", {"": 1.0}, "", "needs a label"),
     ("holds", {"norms": object()}, "", "the value of 'norms' is a object"),
@@ -43,6 +42,14 @@ def test_unknown_id_is_an_error_that_suggests_close_ids():
 def test_bad_verdicts_are_rejected(verdict, measured, note, message):
     with pytest.raises(LabkitError, match=message):
         claims.check("Z1", verdict=verdict, measured=measured, note=note)
+
+
+def test_a_measured_yes_or_no_is_evidence_and_a_claimed_one_is_not(capsys):
+    claims.check("Z1", verdict="does-not-hold", measured={"modules switched to train mode": True})
+    assert "Z1 does-not-hold: modules switched to train mode: yes." in capsys.readouterr().out
+    claims_report.validate("Z1", "holds", "switched: yes", {"switched": True})
+    with pytest.raises(LabkitError, match="measured numbers"):
+        claims_report.validate("Z1", "holds", "switched: yes")
 
 
 def test_needs_gpu_takes_a_reason_without_numbers(capsys):
@@ -89,14 +96,15 @@ def test_measured_values_render_one_sentence_one_table_and_one_json_record(capsy
     claims.check("Z1", verdict="holds", rule="max |diff| is 0 and the growth above 10x", note="the article quotes 73x",
                  measured={"max |diff|": torch.tensor(0.0), "norm growth (x)": 37.46, "exact": True,
                            "params": 4702208, "tiny": 1.234e-7, "loss by batch": {"8": 0.51, "512": 2.0},
-                           "spread": [1.5, float("nan")], "change": "+0.012"})
+                           "spread": [1.5, float("nan")], "change": "+0.012", "img/s": [1240.5, 13202]})
     text = capsys.readouterr().out
     [record] = claims.recorded()
     assert record.measured == {"max |diff|": 0.0, "norm growth (x)": 37.46, "exact": True, "params": 4702208,
                                "tiny": 1.234e-7, "loss by batch": {"8": 0.51, "512": 2.0}, "spread": [1.5, "nan"],
-                               "change": "+0.012"}
+                               "change": "+0.012", "img/s": [1240.5, 13202]}
     assert record.evidence == ("max |diff|: 0; norm growth (x): 37.5; exact: yes; params: 4,702,208; tiny: 1.2e-07; "
-                               "loss by batch: 8 0.51, 512 2; spread: 1.5, nan; change: +0.012. The article quotes "
+                               "loss by batch: 8 0.51, 512 2; spread: 1.5, nan; change: +0.012; img/s: 1240, 13202. "
+                               "The article quotes "
                                "73x. Verdict rule: max |diff| is 0 and the growth above 10x")
     assert " ".join(text.split()).startswith("✓ Z1 holds: max |diff|: 0; norm growth (x): 37.5; exact: yes")
     assert claims.format_table() == "Z1    ✓ HOLDS         max |diff|: 0"
