@@ -173,17 +173,10 @@ print(f"inference_mode forward: {inference_time}")
 print(f"inference_mode / no_grad time: {inference_time.median_s / no_grad_time.median_s:.2f}")
 
 # %%
-claims.check(
-    "N1",
-    verdict="holds" if grad_enabled_inside or first_output.requires_grad else "does-not-hold",
-    evidence=(
-        f"inside no_grad, model.train() left torch.is_grad_enabled()={grad_enabled_inside} and the output had "
-        f"requires_grad={first_output.requires_grad}; train() only set training=True on {train_flags} modules, "
-        f"which moved BatchNorm's running_mean ({running_stats_moved}) and made dropout active ({dropout_active}). "
-        f"inference_mode also disables grad, and its outputs then fail in autograd "
-        f"({usage['inference_mode output'].split(':')[0]})"
-    ),
-)
+claims.check("N1", verdict="holds" if grad_enabled_inside or first_output.requires_grad else "does-not-hold",
+             measured={"train() in no_grad turned gradients on": grad_enabled_inside or first_output.requires_grad,
+                       "modules switched to train mode": train_flags, "BatchNorm running mean moved": running_stats_moved,
+                       "inference_mode output in autograd": usage["inference_mode output"].split(":")[0]})
 
 # %% [markdown]
 # **The fix, proven.** To evaluate, switch the *module mode* with `model.eval()` and the *grad mode*
@@ -300,17 +293,10 @@ print(f"rsample(): steps without gradient {fixed_missing}; mean Q {fixed_scores[
 # %%
 sample_tracer = tracer if bug else train_actor(use_rsample=False, label="actor with sample()")[1]
 sample_missing = sum(r["missing"] for r in sample_tracer.history() if r["param"] == "weight")
-claims.check(
-    "N2",
-    verdict="does-not-hold" if not drawn.requires_grad and reparameterised.requires_grad else "holds",
-    evidence=(
-        f"sample() returned a tensor with requires_grad={drawn.requires_grad}; rsample() carried d/dloc=1 and "
-        f"d/dscale=noise (allclose {rsample_report.all_close}); log_prob() was differentiable with no switch "
-        f"(matches the formula: {log_prob_report.all_close}). An actor trained through sample() got no gradient "
-        f"in {sample_missing} of {actor_steps} steps; through rsample() in {fixed_missing} of {actor_steps}, and "
-        f"mean Q went {fixed_scores[0]:.2f} -> {sum(fixed_scores[-10:]) / 10:.2f}"
-    ),
-)
+claims.check("N2", verdict="does-not-hold" if not drawn.requires_grad and reparameterised.requires_grad else "holds",
+             measured={"has a gradient": {"sample()": drawn.requires_grad, "rsample()": reparameterised.requires_grad},
+                       "log_prob() gradient matches the formula": log_prob_report.all_close, "actor steps": actor_steps,
+                       "actor steps without a gradient": {"sample()": sample_missing, "rsample()": fixed_missing}})
 
 # %% [markdown]
 # ## Case N3: does interpolating position embeddings under `no_grad` cut their gradient?
@@ -408,20 +394,13 @@ print(f"fixed: 'position' missing a gradient in {fixed_position_missing} of {vit
       f"largest change {fixed_moved:.3g}; gradient std {position_std[0]:.2g} -> {position_std[-1]:.2g}")
 
 # %%
-_, cut_tracer, cut_moved = (vit, vit_tracer, position_moved) if bug else train_patch_classifier(
+_, cut_tracer, _ = (vit, vit_tracer, position_moved) if bug else train_patch_classifier(
     True, "interpolate under no_grad")
 cut_missing = sum(r["missing"] for r in cut_tracer.history() if r["param"] == "position")
-where = "once, when the model was built," if resize_once else "in every forward"
-claims.check(
-    "N3",
-    verdict="holds" if cut_missing == vit_steps and fixed_position_missing == 0 else "does-not-hold",
-    evidence=(
-        f"with F.interpolate under no_grad {where} the position embedding had no gradient in {cut_missing} of "
-        f"{vit_steps} steps (GradTracer 'missing') and its largest change was {cut_moved:.2g}; interpolating with "
-        f"grad in every forward left it without a gradient in {fixed_position_missing} steps and it moved by "
-        f"{fixed_moved:.2g}"
-    ),
-)
+where = "once, at build time" if resize_once else "in every forward"
+claims.check("N3", verdict="holds" if cut_missing == vit_steps and fixed_position_missing == 0 else "does-not-hold",
+             measured={"steps without a gradient": {"no_grad resize": cut_missing, "with grad": fixed_position_missing},
+                       "training steps": vit_steps, "no_grad resize runs": where})
 
 # %% [markdown]
 # ## Case N4: must `pack_padded_sequence` be paired with `pad_packed_sequence` for complete gradients?
@@ -526,17 +505,9 @@ for name, (bidirectional, packed, unpack, use_outputs, use_state) in VARIANTS.it
 # %%
 packed_ok = [n4_results[name][0] for name in VARIANTS if "packed" in name and "not packed" not in name]
 unpadded_state_diff = n4_results["padded, not packed, h_n"][1]
-claims.check(
-    "N4",
-    verdict="does-not-hold" if all(packed_ok) else "holds",
-    evidence=(
-        f"all {len(packed_ok)} packed variants matched a per-sequence float64 reference (rtol 1e-9), including the "
-        f"two without pad_packed_sequence, with 0 gradient into padding. What fails is skipping the packing: "
-        f"h_n of padded input differed by up to {unpadded_state_diff:.2f} and its padding received gradient "
-        f"{n4_results['padded, not packed, h_n'][2]:.2f}; a bidirectional LSTM's outputs differed by "
-        f"{n4_results['bidirectional, not packed, outputs'][1]:.2f}"
-    ),
-)
+claims.check("N4", verdict="does-not-hold" if all(packed_ok) else "holds",
+             measured={"packed variants matching runs alone (rtol 1e-9)": f"{sum(packed_ok)} of {len(packed_ok)}",
+                       "h_n error, not packed": unpadded_state_diff})
 
 
 # %% [markdown]
@@ -729,30 +700,13 @@ if dev.type == "cuda":
         n5_verdict = "holds" if kernel_ratio <= 0.9 else "partly"
     else:
         n5_verdict = "does-not-hold"
-    claims.check(
-        "N5",
-        verdict=n5_verdict,
-        evidence=(
-            f"on {torch.cuda.get_device_name(dev)}, {x.numel() / 1e6:.1f}M float32 values, CUDA-event timing over 5 "
-            f"interleaved rounds of 100 calls: forward+backward with a Triton ReLU-backward kernel took "
-            f"{kernel_ratio:.2f}x torch.relu's (round-to-round spread of torch.relu {round_noise:.0%}); the same "
-            f"arithmetic in Python took {medians['Python grad * (x > 0)'] / medians['torch.relu']:.2f}x; "
-            f"gradcheck in float64: {kernel_gradcheck}; gradients identical to torch.relu's: {same_result}"
-        ),
-    )
+    claims.check("N5", verdict=n5_verdict, measured={"Triton kernel's time / torch.relu's": kernel_ratio,
+        "spread over rounds": f"{round_noise:.0%}", "gradcheck": kernel_gradcheck, "same gradients": same_result},
+        rule="holds at 0.9x or less, partly if faster beyond the spread (at least 5%); gradients must be right")
 
 # %% tags=["nbval-ignore-output"]
 if dev.type != "cuda":
-    claims.check(
-        "N5",
-        verdict="needs-gpu",
-        evidence=(
-            f"the claim is about a CUDA kernel's time and this run is on {dev.type}. On a GPU this notebook builds the "
-            "article's ReLU-backward kernel with Triton, checks it with torch.autograd.gradcheck in float64, and "
-            "times forward+backward with CUDA events against torch.relu (threshold_backward) and a Python "
-            "grad * (x > 0); it holds if the kernel is at least 10% faster beyond the rounds' spread"
-        ),
-    )
+    claims.check("N5", verdict="needs-gpu", note=f"the claim times a CUDA kernel and this run is on {dev.type}")
 
 # %% [markdown]
 # ## Summary
