@@ -34,7 +34,6 @@
 import sys, importlib.util as iu; "google.colab" in sys.modules and not iu.find_spec("labkit") and get_ipython().system("pip install 'gradient-lab-workbook[colab] @ git+https://github.com/gradient-lab/gradient-lab'"); import labkit.start  # no labkit here? README, Install
 
 import copy
-import math
 import statistics
 import warnings
 from dataclasses import dataclass
@@ -267,12 +266,10 @@ print("\nhead weight .grad is None:", head_weight_grad is None, "| head bias .gr
 # %%
 probe_layer = copy.deepcopy(batchnorm_layers(backbones[seed])[0]).cpu()
 hidden = torch.randn(8, probe_layer.num_features, dtype=torch.float64, requires_grad=True)
-saved_by_mode = {}
 for mode in ("eval", "train"):
     probe_layer.train(mode == "train")
     graph = autograd_graph(probe_layer(hidden).sum(), probe_layer)
     node = next(n for n in graph.nodes if "BatchNorm" in n.name)
-    saved_by_mode[mode] = {s.name: s.shape for s in node.saved}
     print(f"{mode} mode: {node.name} saved " + ", ".join(f"{s.name} {list(s.shape)}" for s in node.saved))
 
 # %% [markdown]
@@ -331,25 +328,14 @@ print("accuracy with the head's weight frozen: " + ", ".join(f"{a:.1%}" for a in
 # comes from a frozen head weight, not from eval mode:
 
 # %%
-head_weight_grad_norm = eval_records["1.weight"]["norm"]
 traced_steps = len({r["step"] for r in eval_history})
 head_missing_steps = sum(r["missing"] for r in eval_history if r["param"] in ("1.weight", "1.bias"))
 eval_mean = statistics.mean(eval_accuracies)
 loose_mean = statistics.mean(loose_accuracies)
-eval_saved = [name for name, shape in saved_by_mode["eval"].items() if math.prod(shape) > 0]
 eval_mode_trains = head_missing_steps == 0 and min(eval_accuracies) > CHANCE + 0.3
-claims.check(
-    "D1",
-    verdict="does-not-hold" if eval_mode_trains else "holds",
-    evidence=(
-        f"frozen backbone in eval mode: the head's weight or bias missed a gradient in {head_missing_steps} of "
-        f"{traced_steps} traced steps (weight grad norm {head_weight_grad_norm:.3g} at the last) and the head reaches "
-        f"{eval_mean:.1%} mean test accuracy over {seeds} seeds (min {min(eval_accuracies):.1%}, chance "
-        f"{CHANCE:.0%}); BatchNorm's backward node in eval mode saves {', '.join(eval_saved)}. "
-        f"The symptom (weight grad None, bias fine, {loose_mean:.1%} accuracy) appears when the head's "
-        f"weight is frozen by a loose name match"
-    ),
-)
+claims.check("D1", verdict="does-not-hold" if eval_mode_trains else "holds", measured={
+    "head gradients missing": f"{head_missing_steps} of {traced_steps} steps",
+    "lowest eval-mode accuracy": f"{min(eval_accuracies):.1%}"}, rule=f"none missing, every seed above {CHANCE + 0.3:.0%}: does not hold")
 
 # %% [markdown]
 # **The fix, proven** (for the look-alike): freeze by module, not by name. Freeze the backbone
@@ -487,12 +473,10 @@ def paired_differences(mode_name, size):
     return [run.eval_acc - base.eval_acc for run, base in zip(grid[mode_name, size], grid["eval", size])]
 
 
-remedy_runs, eval_at_size, train_at_size = (grid[m, batch_size] for m in ("remedy", "eval", "train"))
-remedy_drift = max(max(run.drift) for run in remedy_runs)
+train_at_size = grid["train", batch_size]
 train_drift = max(max(run.drift) for run in train_at_size)
 remedy_is_eval = remedy_vs_eval.all_exact
 headline_gain = paired_differences("train", batch_size)
-test_images = len(load_tasks(seed)[1].y_test)
 precise_gain = paired_differences("remedy", batch_size)
 headline_costs = max(headline_gain) < 0
 precise_helps = min(precise_gain) > 0 and not remedy_is_eval
@@ -505,21 +489,10 @@ elif headline_costs:
     d2_verdict = "does-not-hold"
 else:
     d2_verdict = "partly"
-claims.check(
-    "D2",
-    verdict=d2_verdict,
-    evidence=(
-        f"over {seeds} seeds at batch {batch_size}: the headline form (train mode, BN weight/bias frozen) "
-        f"{spread(train_at_size)} with running-mean drift up to {train_drift:.3f} pretrained std, "
-        f"{headline_text} against all-eval seed by seed ({'worse on every seed' if headline_costs else 'not worse on every seed'}; "
-        f"the closest seed {min(abs(d) for d in headline_gain) * test_images:.0f} of {test_images} test images apart, "
-        f"so {seeds} seeds show a sign, not a rate); "
-        f"the precise form (BN in eval, frozen) {spread(remedy_runs)} with drift {remedy_drift:.3g}, "
-        + ("bit-for-bit the all-eval head (compare_grads exact: True)" if remedy_is_eval
-           else "a head that differs from all-eval's (compare_grads exact: False)")
-        + f"; all-eval {spread(eval_at_size)}, never at chance ({CHANCE:.0%})"
-    ),
-)
+claims.check("D2", verdict=d2_verdict, measured={
+    "headline form minus all-eval, per seed": [f"{d:+.1%}" for d in headline_gain],
+    "precise form is all-eval bit for bit": remedy_is_eval, "headline form's running-mean drift (std)": train_drift,
+}, rule="holds if the precise form beats all-eval on every seed; does not if the headline form loses on every seed")
 
 # %% [markdown]
 # With the default parameters the headline form, the article's main recommendation, is worse than
@@ -699,18 +672,11 @@ accuracy_cost_small = statistics.mean(r.eval_acc for r in grid["eval", small]) -
 shifted_gap, in_gap = gaps["digits 5-9 (shifted)"], gaps["digits 0-4"]
 all_failures_seen = (wander[0] > 2 * wander[-1] and shifted_gap[0] > shifted_gap[-1]
                      and shifted_gap[-1] > in_gap[-1] and epoch_error is not None and accuracy_cost_small > 0)
-claims.check(
-    "D4",
-    verdict="holds" if all_failures_seen else "partly",
-    evidence=(
-        f"in train mode the running mean sits {wander[0]:.3f} std from the data's mean at batch {gap_sizes[0]} and "
-        f"{wander[-1]:.3f} at batch {gap_sizes[-1]}; train/eval output gap {shifted_gap[0]:.2f} at batch {gap_sizes[0]}, "
-        f"{shifted_gap[-1]:.2f} at batch {gap_sizes[-1]} on shifted data vs {in_gap[-1]:.2f} in-distribution; a last "
-        f"batch of 1 raised {type(epoch_error).__name__} in train mode; "
-        f"leaving the frozen backbone in train mode cost {accuracy_cost_small:.1%} accuracy at batch {small} "
-        f"(mean of {seeds} seeds)"
-    ),
-)
+claims.check("D4", verdict="holds" if all_failures_seen else "partly", measured={
+    "accuracy lost in train mode": {f"batch {small}, mean of {seeds} seeds": f"{accuracy_cost_small:.1%}"},
+    "running-mean error (std), smallest / largest batch": [wander[0], wander[-1]],
+    "train/eval output gap, shifted data, smallest / largest batch": [shifted_gap[0], shifted_gap[-1]],
+    "the gap in distribution, largest batch": in_gap[-1], "a last batch of one sample raised": type(epoch_error).__name__})
 
 
 # %% [markdown]
@@ -1057,21 +1023,9 @@ clean_tracked, clean_untracked = nan_table["clean data, stats tracked"], nan_tab
 poisoned_tracked = nan_table["one inf batch, stats tracked"]
 poisoned_untracked = nan_table["one inf batch, stats not tracked"]
 train_mode_nan_removed = poisoned_untracked[0] < poisoned_tracked[0] or clean_untracked[0] < clean_tracked[0]
-claims.check(
-    "D3",
-    verdict="holds" if train_mode_nan_removed else "does-not-hold",
-    evidence=(
-        f"in 40 train-mode steps on clean data BatchNorm gave {clean_tracked[0]} non-finite losses with "
-        f"running stats tracked and {clean_untracked[0]} without; one inf batch gave {poisoned_tracked[0]} and "
-        f"{poisoned_untracked[0]}: tracking {'changes the count' if train_mode_nan_removed else 'changes nothing'} "
-        f"in train mode. What it changes is eval mode: the "
-        f"poisoned running stats made {poisoned_tracked[1]:.0%} of eval outputs NaN, untracked "
-        f"{poisoned_untracked[1]:.0%}, at the cost of batch-dependent eval outputs (differ by up to "
-        f"{batch_dependence:.2f}) and a {type(single_sample_error).__name__} at batch size 1. bn(x, training=False) "
-        f"raises {type(keyword_error).__name__}; "
-        f"InstanceNorm1d on (N, C) features is a per-sample norm that drops the pretrained statistics"
-    ),
-)
+claims.check("D3", verdict="holds" if train_mode_nan_removed else "does-not-hold", measured={
+    "non-finite train-mode losses, clean / one inf batch": {"tracked": f"{clean_tracked[0]} / {poisoned_tracked[0]}",
+                                                            "not tracked": f"{clean_untracked[0]} / {poisoned_untracked[0]}"}})
 
 # %% [markdown]
 # **The fix, proven:** keep tracking on and stop non-finite batches *before* the forward pass, so the

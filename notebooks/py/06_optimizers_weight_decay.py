@@ -301,25 +301,14 @@ plt.show()
 # nominal value and spreads over orders of magnitude between weights; AdamW's has no spread at all.
 
 # %%
-first_median, last_median = adam_records[0][1][1], adam_records[-1][1][1]
 adam_blank = decay_run(torch.optim.Adam).blank_ratio
 adamw_blank = decay_run(torch.optim.AdamW).blank_ratio
 adam_is_l2 = any("grad.add(" in line for line in decay_lines) and adam_same_path
 halves_holding = adamw_exact + (not adam_is_l2)
-claims.check(
-    "E1",
-    verdict=("does-not-hold", "partly", "holds")[halves_holding],
-    evidence=(
-        f"the installed torch's Adam adds weight_decay*p to the gradient (L2, through both moments): {adam_is_l2}; AdamW "
-        f"multiplies p by 1 - lr*wd, to 1e-12: {adamw_exact}. On a zero-gradient weight Adam moved by lr per step for "
-        f"wd {decays[0]:g} to {decays[-1]:g} alike: {adam_same_path}. "
-        f"In training (wd {weight_decay:g}) Adam's effective decay per weight "
-        f"{'fell' if last_median < first_median else 'rose'} from median {first_median:.3g} at "
-        f"step 1 to {last_median:.3g} at step {steps} (10-90% spread {adam_records[-1][1][0]:.3g} to "
-        f"{adam_records[-1][1][2]:.3g}), AdamW's is {weight_decay:g} for every weight; blank-pixel weights kept "
-        f"{adam_blank:.1%} of their norm under Adam and {adamw_blank:.1%} under AdamW"
-    ),
-)
+claims.check("E1", verdict=("does-not-hold", "partly", "holds")[halves_holding], measured={
+    "AdamW scales p by 1 - lr*wd (to 1e-12)": adamw_exact, "Adam adds wd*p to the gradient (L2)": adam_is_l2,
+    "blank-pixel weights' norm, after / before": {"Adam": adam_blank, "AdamW": adamw_blank},
+}, rule="a half each: AdamW scales p as claimed; Adam decays p directly as claimed, not through the gradient")
 
 # %% [markdown]
 # **The fix, proven.** When you mean "decay every weight by a rate λ, independent of its gradient
@@ -454,17 +443,9 @@ buffer_low, buffer_high = step_sizes_against_torch(article_buffer)
 claims.check(
     "E4",
     verdict="does-not-hold" if hand_report.all_close and not compare_grads(article_beta, torch_step).all_close else "holds",
-    evidence=(
-        f"one AdamW step after 20: the documented update theta*(1 - lr*wd) - lr*m_hat/(sqrt(v_hat)+eps) matches "
-        f"torch within 1e-12 relative ({hand_report.all_close}); the article's formula gives steps "
-        f"{beta_low:.2g}x to {beta_high:.2g}x the real ones (momentum = 0.9) or {buffer_low:.2g}x to "
-        f"{buffer_high:.2g}x (momentum = exp_avg): it lacks the second moment. Layer-wise decay as parameter "
-        f"groups: measured {'/'.join(format(measured_decay[n], '.4g') for n in expected_decay)} for the groups set "
-        f"to {'/'.join(format(d, 'g') for d in expected_decay.values())}, "
-        f"{'/'.join(format(measured_decay[n], 'g') for n in measured_decay if n not in expected_decay)} for the rest "
-        f"(each exactly as set: {groups_work})"
-    ),
-)
+    measured={"documented update matches torch (to 1e-12)": hand_report.all_close, "groups decay as set": groups_work,
+              "article's step over torch's (no second moment)": {"momentum read as beta1": f"{beta_low:.2g}x to {beta_high:.2g}x",
+                                                                  "as exp_avg": f"{buffer_low:.2g}x to {buffer_high:.2g}x"}})
 
 # %% [markdown]
 # **The fix, proven:** the hand-written update above matches torch (exercise 06.1 asks you to write it),
@@ -577,21 +558,12 @@ beats_step = {base_lr: cosine_beats(base_lr, "StepLR") for base_lr in base_lrs}
 beats_constant = {base_lr: cosine_beats(base_lr, "constant") for base_lr in base_lrs}
 
 
-def losses_at(base_lr):
-    return ", ".join(f"{kind} {mean_sd([r['loss'] for r in schedule_results[base_lr, kind]])}" for kind in SCHEDULES)
-
-
 claims.check(
     "E5",
     verdict="holds" if all(beats_step.values()) else ("partly" if any(beats_step.values()) else "does-not-hold"),
-    evidence=(
-        f"SGD, {epochs} epochs on digits, {seeds} seeds, final training loss at base lr {base_lrs[0]:g}: "
-        f"{losses_at(base_lrs[0])}; at base lr {base_lrs[1]:g}: {losses_at(base_lrs[1])}. Cosine beat StepLR on "
-        f"every seed: {beats_step[base_lrs[0]]} / {beats_step[base_lrs[1]]}; beat a constant lr (context): "
-        f"{beats_constant[base_lrs[0]]} / {beats_constant[base_lrs[1]]} (lr sums over the run: StepLR "
-        f"{sum(curves['StepLR']) / sgd_lr:.2f}, cosine {sum(curves['CosineAnnealingLR']) / sgd_lr:.2f} x base lr)"
-    ),
-)
+    measured={"cosine ends below StepLR on every seed": {f"base lr {lr:g}": beats_step[lr] for lr in base_lrs},
+              "below a constant lr too (context)": {f"base lr {lr:g}": beats_constant[lr] for lr in base_lrs}},
+    rule="holds if cosine ends below StepLR at every base lr, partly at some")
 
 
 # %% [markdown]
@@ -854,16 +826,10 @@ print("Adam(weight_decay) equals Adam on loss + wd/2 * |params|^2 within 1e-9 re
 
 # %%
 worst_against_adamw = max(row.max_abs_diff for row in against_adamw.rows)
-claims.check(
-    "E2",
-    verdict="does-not-hold" if against_l2.all_close and not against_adamw.all_close else "holds",
-    evidence=(
-        f"with the installed torch, {steps} steps on digits: Adam(weight_decay={weight_decay:g}) matches Adam on loss + wd/2*|p|^2 "
-        f"within 1e-9 relative ({against_l2.all_close}) and its parameters differ from AdamW's by up to "
-        f"{worst_against_adamw:.3g}; the opt-in flag decoupled_weight_decay (default False) gives AdamW's parameters exactly: "
-        f"{flag_against_adamw.all_exact}"
-    ),
-)
+claims.check("E2", verdict="does-not-hold" if against_l2.all_close and not against_adamw.all_close else "holds", measured={
+    "Adam(weight_decay) follows Adam on loss + wd/2*|p|^2 (to 1e-9)": against_l2.all_close,
+    "its largest parameter difference from AdamW": worst_against_adamw,
+    "decoupled_weight_decay=True (default False) gives AdamW exactly": flag_against_adamw.all_exact})
 
 # %% [markdown]
 # **The fix, proven:** the last comparison above. `AdamW(…)` or `Adam(…, decoupled_weight_decay=True)`
@@ -973,28 +939,12 @@ for (peak, warmup), loss in warmup_losses.items():
 # %%
 final_steps = {name: sizes[-1] * CLAIM_LR for name, sizes in token_runs[0][2].items()}
 step_spread = max(final_steps.values()) / min(final_steps.values())
-normalised_same = all(abs(a[9] - b[9]) < 0.1 for a, b in zip(token_runs[0][2].values(), token_runs[WARMUP_STEPS][2].values()))
-spread_kept = abs(math.log(layer_spread(token_runs[0][1], 0, 10) / layer_spread(token_runs[WARMUP_STEPS][1], 0, 10))) < math.log(1.5)
 warmup_needed = any(warmup_losses[peak, 0] > 2 * warmup_losses[peak, WARMUP_STEPS] for peak in (CLAIM_LR, 100 * CLAIM_LR))
 layers_differ = step_spread > 2
-first_step_is_lr = all(abs(sizes[0] - 1) < 1e-3 for sizes in token_runs[0][2].values())
-claims.check(
-    "E3",
-    verdict=("holds" if warmup_needed else "partly") if layers_differ else "does-not-hold",
-    evidence=(
-        f"AdamW lr 1e-4, step 100: RMS step per weight from {min(final_steps.values()):.2g} to "
-        f"{max(final_steps.values()):.2g} across parameters (embedding {final_steps['embedding.weight']:.2g}, "
-        f"classifier weight {final_steps['classifier.weight']:.2g}); step 1 is lr for every weight: {first_step_is_lr}. "
-        f"Layer spread of the update:data ratio over steps 1-10: "
-        f"{layer_spread(token_runs[0][1], 0, 10):.0f}x without warmup and "
-        f"{layer_spread(token_runs[WARMUP_STEPS][1], 0, 10):.0f}x with it (the same within 1.5x: {spread_kept}); "
-        f"the normalised step at step 10 is the same within 0.1 with and without warmup: {normalised_same}. "
-        f"Loss after 100 steps without/with warmup: "
-        f"{warmup_losses[CLAIM_LR, 0]:.3f}/{warmup_losses[CLAIM_LR, WARMUP_STEPS]:.3f} at lr 1e-4, "
-        f"{warmup_losses[100 * CLAIM_LR, 0]:.3f}/{warmup_losses[100 * CLAIM_LR, WARMUP_STEPS]:.3f} at lr 1e-2: warmup "
-        f"{'was needed' if warmup_needed else 'was not needed'} here"
-    ),
-)
+claims.check("E3", verdict=("holds" if warmup_needed else "partly") if layers_differ else "does-not-hold", measured={
+    "largest over smallest RMS step per weight, step 100": step_spread,
+    "loss after 100 steps": {f"at lr {p:g} with {w} warmup steps": loss for (p, w), loss in warmup_losses.items()},
+}, rule="layers differ above 2x; warmup needed if a loss without it is above twice the loss with it")
 
 # %% [markdown]
 # **What to do with it.** Watch the update:data ratio per layer (the plot above), not the learning

@@ -189,22 +189,15 @@ print("clipped with the default vs with norm_type=2:\n" + str(default_vs_l2))
 
 # %%
 def clip_outcome(total):
-    """What clip_grad_norm_ did at `max_norm` to a gradient of this total norm."""
-    return f"scaled by {max_norm / total:.2f}" if total > max_norm else "not clipped"
+    """A gradient's total norm, and what clip_grad_norm_ did to it at `max_norm`."""
+    return f"{total:.3g} ({f'scaled by {max_norm / total:.2f}' if total > max_norm else 'not clipped'})"
 
 
 l2_total, inf_total = totals["norm_type=2"], totals["norm_type=inf"]
 default_is_l2 = default_norm_type == 2.0 and default_vs_l2.all_exact
-claims.check(
-    "F1",
-    verdict="does-not-hold" if default_is_l2 else "holds",
-    evidence=(
-        f"the installed torch's signature says norm_type={default_norm_type}, and clipping "
-        f"without norm_type gives exactly the norm_type=2 result; on a spike gradient the L2 total is "
-        f"{l2_total:.3g} ({clip_outcome(l2_total)} at max_norm={max_norm}) while the inf-norm is "
-        f"{inf_total:.3g} ({clip_outcome(inf_total)})"
-    ),
-)
+claims.check("F1", verdict="does-not-hold" if default_is_l2 else "holds", measured={
+    "default norm_type": default_norm_type, "no norm_type gives the norm_type=2 result exactly": default_vs_l2.all_exact,
+    "max_norm": max_norm, "spike gradient's total norm": {"L2": clip_outcome(l2_total), "inf": clip_outcome(inf_total)}})
 
 # %% [markdown]
 # **The fix.** Nothing in the default needs fixing. When clipping seems to "do nothing", log the
@@ -323,7 +316,6 @@ norm_effect = statistics.mean(accuracy[f"norm {tight_norm:g}"]) - statistics.mea
 value_rotates = all(value_cosines[c] < 0.999 for c, share in clamped_shares.items() if share > 0)
 norm_keeps_direction = norm_cosine > 0.999999
 direction_holds = value_rotates and norm_keeps_direction
-no_op_holds = value_untouched and all(value_same_as_none)
 norm_helped = norm_effect > 0.005
 value_effect = statistics.mean(accuracy["value 1.0"]) - statistics.mean(accuracy["no clipping"])
 value_cost_accuracy = value_effect < -0.005  # the article's 12% recall drop needs value clipping to change something
@@ -331,19 +323,10 @@ claims.check(
     "F2",
     verdict=("holds" if norm_helped and value_cost_accuracy and small_changed else "partly") if direction_holds
     else "does-not-hold",
-    evidence=(
-        f"value clipping {'rotated' if value_rotates else 'did not rotate'} a spike gradient ("
-        + ", ".join(f"cosine {cos:.3f} at c={c:g}" for c, cos in value_cosines.items())
-        + f") while norm clipping of {norm_kind} {'kept' if norm_keeps_direction else 'turned it to'} cosine "
-        f"{norm_cosine:.4f}; at 1.0 it changed {small_changed} of the {int(small_entries.sum())} spike-gradient "
-        f"entries below 0.1, the small gradients the article says it truncates; with {inside} of "
-        f"{calm_vector.numel()} entries within ±0.05, value clipping at 1.0 "
-        + ("changed nothing and trained bit-identical models to no clipping" if no_op_holds
-           else "changed the gradient or the trained models")
-        + f" on {seeds} seeds" + (", so it cannot have cost the reported 12%" if no_op_holds else "")
-        + f" (mean test accuracy {value_effect:+.3f}); norm clipping at {tight_norm:g} changed mean "
-        f"test accuracy by {norm_effect:+.3f}{'' if norm_helped else ': no help on this clean run'}"
-    ),
+    measured={"cosine to the spike gradient after norm clipping": f"{norm_cosine:.6f}",
+              "after value clipping": {f"c={c:g}": cos for c, cos in value_cosines.items()},
+              "entries below 0.1 that value clipping at 1.0 changed": small_changed,
+              "mean test accuracy change": {"value 1.0": f"{value_effect:+.3f}", f"norm {tight_norm:g}": f"{norm_effect:+.3f}"}},
 )
 
 # %% [markdown]
@@ -517,21 +500,10 @@ print(f"at max_norm={max_norm} a typical clean step is scaled by {min(1, max_nor
 # %%
 per_seed_gain = [l1 - l2 for l1, l2 in zip(cnn_accuracy["L1 clipping"], cnn_accuracy["L2 clipping"])]
 mean_gain = statistics.mean(per_seed_gain)
-spread = max(abs(g) for g in per_seed_gain)
-rescue = statistics.mean(cnn_accuracy["L2 clipping"]) - statistics.mean(cnn_accuracy["no clipping"])
 l1_clearly_better = mean_gain > 0.02 and all(g > 0 for g in per_seed_gain)
-claims.check(
-    "F3",
-    verdict="holds" if l1_clearly_better else "does-not-hold",
-    evidence=(
-        f"small CNN on digits, a x{spike_scale:g} input spike every {spike_every} steps, {seeds} seeds, thresholds "
-        f"at {clip_factor:g}x the clean median: L2 clipping changed mean test accuracy by {rescue:+.2f} over none, "
-        f"and L1 minus L2 was {mean_gain:+.3f} on average (largest per-seed gap {spread:.3f}); "
-        + ("L1 was ahead on every seed by more than 0.02 on average: more robust here" if l1_clearly_better else
-           "no measurable robustness benefit from L1 here (that needs more than 0.02 on average, ahead on every seed)")
-        + ", and nothing in this test reaches CNN backbones in general"
-    ),
-)
+claims.check("F3", verdict="holds" if l1_clearly_better else "does-not-hold", measured={
+    "L1 minus L2 clipping, test accuracy per seed": [f"{g:+.3f}" for g in per_seed_gain], "mean": f"{mean_gain:+.3f}",
+    "threshold (x the clean median norm)": clip_factor}, rule="holds if L1 is ahead on every seed, by over 0.02 on average")
 
 # %% [markdown]
 # **The fix.** Clip, by the L2 norm unless you have measured a reason not to, at a threshold taken
@@ -676,32 +648,13 @@ print(f"lr {divergence_lr:g}, clip at 1.0: loss {clipped_losses[0]:.3g} -> {clip
 claims.metric("divergence_first_nonfinite_step", -1 if first_nonfinite is None else first_nonfinite)
 
 # %%
-clip_spreads_nan = math.isnan(nan_total.item()) and poisoned_after > poisoned_before
 clip_repairs_nan = poisoned_after == 0
 clip_prevents_divergence = first_nonfinite is not None and clipped_finite
 # The claim's two readings: clipping repairs a NaN gradient, and clipping prevents a NaN loss.
 halves_shown = clip_repairs_nan + clip_prevents_divergence
-divergence_text = (
-    f"it does prevent the NaN at the end of a divergence (lr {divergence_lr:g} regression: non-finite at step "
-    f"{first_nonfinite} unclipped, {clipped_losses[-1]:.3g} after {DIVERGENCE_STEPS} clipped steps)"
-    if clip_prevents_divergence else
-    f"and at lr {divergence_lr:g} the unclipped regression stayed finite ({unclipped_end}), so this run shows "
-    "no NaN for clipping to prevent" if first_nonfinite is None else
-    f"nor did it prevent the NaN at the end of a divergence (lr {divergence_lr:g} regression: non-finite at step "
-    f"{first_nonfinite} unclipped, and clipped too)"
-)
-claims.check(
-    "F4",
-    verdict={2: "holds", 1: "partly", 0: "does-not-hold"}[halves_shown],
-    evidence=(
-        (f"clipping cannot repair a NaN already in the gradient: the total norm comes back {nan_total.item()}, the "
-         f"NaN {'spreads' if clip_spreads_nan else 'goes'} from {poisoned_before} to {poisoned_after} of "
-         f"{len(after_clip)} parameter gradients" if not clip_repairs_nan else
-         f"clipping left no non-finite gradient ({poisoned_before} of {len(before_clip)} before it)")
-        + f", the next loss is {nan_losses[1]} and the tracer raised {len(nan_alerts)} non-finite alerts in "
-        f"{len(nan_losses)} steps; " + divergence_text
-    ),
-)
+claims.check("F4", verdict={2: "holds", 1: "partly", 0: "does-not-hold"}[halves_shown], measured={
+    "clipping a NaN gradient": {"total norm": nan_total, "NaN gradients before": poisoned_before, "after": poisoned_after},
+    "all losses finite at divergence_lr": {"unclipped": first_nonfinite is None, "clipped at 1.0": clipped_finite}})
 
 # %% [markdown]
 # **The fix, proven.** Three moves. (1) *Find the source.* Anomaly mode records the forward stack of
