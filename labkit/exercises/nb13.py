@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, exercise, run_beside
 from labkit.memory import saved_bytes
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
@@ -60,6 +60,7 @@ class _SavedTensor:
         ),
     ),
     planted="the autograd graph of batch 1 was still alive",
+    answer_apart=True,
 )
 def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
     """The mean must be right, and no graph older than the previous batch may be alive."""
@@ -68,6 +69,23 @@ def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
         losses = [F.cross_entropy(model(x), y).item() for x, y in batches]
     expected = sum(losses) / len(batches)
     row_weighted = sum(loss * len(y) for loss, (_, y) in zip(losses, batches)) / sum(len(y) for _, y in batches)
+    result, stale, alive = run_beside(mean_validation_loss, _watched_validation, model, batches)
+    _require_mean(result, expected, row_weighted)
+    if stale:
+        now, oldest = stale[0]
+        raise NotYet(
+            f"when batch {now} started, the autograd graph of batch {oldest} was still alive with its saved "
+            "activations: memory grows with every batch"
+        )
+    if alive:
+        raise NotYet("after your function returned, an autograd graph was still alive: return a float, not a tensor")
+    return f"the mean of {BATCHES} batch losses is right, and no batch's graph outlived the next batch"
+
+
+def _watched_validation(mean_validation_loss: Callable, model: nn.Module,
+                        batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[object, list, int]:
+    """Where the answer runs: its result, the first (batch, older batch) whose graph was still alive when the
+    batch started, and how many saved tensors were still alive when it returned."""
     alive: weakref.WeakSet = weakref.WeakSet()
     batch_index = [0]
     stale: list[tuple[int, int]] = []
@@ -83,19 +101,13 @@ def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
         alive.add(held)
         return held
 
-    model.register_forward_pre_hook(before_forward)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
-        result = mean_validation_loss(model, batches)
-    _require_mean(result, expected, row_weighted)
-    if stale:
-        now, oldest = stale[0]
-        raise NotYet(
-            f"when batch {now} started, the autograd graph of batch {oldest} was still alive with its saved "
-            "activations: memory grows with every batch"
-        )
-    if len(alive):
-        raise NotYet("after your function returned, an autograd graph was still alive: return a float, not a tensor")
-    return f"the mean of {BATCHES} batch losses is right, and no batch's graph outlived the next batch"
+    handle = model.register_forward_pre_hook(before_forward)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
+            result = mean_validation_loss(model, batches)
+    finally:
+        handle.remove()
+    return result, stale, len(alive)
 
 
 def _validation_fixture() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
