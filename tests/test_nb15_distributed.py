@@ -51,17 +51,19 @@ def test_per_rank_batchnorm_moves_the_loss_only_with_the_bug(tmp_path, student_e
         result = run_student_edition_on_cpu(notebook, NOTEBOOK, tmp_path / "run", parameters)
     assert result.status == "ok", result.error
     verdicts = {claim["id"]: claim["verdict"] for claim in result.claims}
-    evidence = {claim["id"]: claim["evidence"] for claim in result.claims}
+    measured = {claim["id"]: claim["measured"] for claim in result.claims}
     o3 = "partly" if same_rows else "holds"
     o1 = "partly" if lr_scaled_fix else "does-not-hold"
     o2b = "holds" if count_ranks else "does-not-hold"
     assert verdicts == {"O3": o3, "O1": o1, "O2b": o2b, "O2": "needs-gpu"}
-    assert ("so no averaging could show" in evidence["O3"]) is same_rows
+    assert measured["O3"]["the ranks' own gradients differ"] is not same_rows
     # Per-rank BatchNorm with rows of its own: rank 1's buffers are its own without the broadcast.
     flags_moved_the_loss = lr_scaled_fix or (bug and not same_rows and report_rank == 1)
-    assert ("bitwise unchanged" in evidence["O1"].split("broadcast_buffers=False")[-1]) is not lr_scaled_fix
-    assert (f"moved rank {report_rank}'s test loss" in evidence["O1"]) is flags_moved_the_loss
-    assert f"AVG issued 1 all_reduce and SUM then divide issued {2 if count_ranks else 1}" in evidence["O2b"]
+    assert measured["O1"]["rank tested"] == report_rank
+    assert measured["O1"]["changed by the article's flags"] == {"test loss": flags_moved_the_loss,
+                                                                "training losses": lr_scaled_fix}
+    calls = measured["O2b"]["gloo all_reduce calls"]
+    assert (calls["AVG"], calls["SUM then divide"]) == (1, 2 if count_ranks else 1)
     if bug and not same_rows:
         assert result.metrics["loss_gap"] > 1e-3
     else:

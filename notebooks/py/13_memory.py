@@ -302,22 +302,14 @@ print("tensors-only estimate within 1% of the measured CPU step peak:", within_o
 print("with the measured kernel workspace:", within_one_percent(with_workspace))
 
 # %%
-at_batch_one = {name: parts(analytic[name, 1]) for name in models}
-state_share_at_one = {name: sum(p[k] for k in STATE_ROWS) / sum(p.values()) for name, p in at_batch_one.items()}
 activations_largest = [max(parts(result), key=parts(result).get) == "activations" for result in analytic.values()]
 claims.check(
     "K1",
     verdict="holds" if all(activations_largest) and peak_over_sum < 1.05 else
     "does-not-hold" if not any(activations_largest) else "partly",
-    evidence=(
-        "activations are the largest part only from a crossover batch on ("
-        + ", ".join(f"{name} {from_batch(crossover[name][0])}" for name in models)
-        + "); at batch 1 parameters, gradients and AdamW state are "
-        + ", ".join(f"{state_share_at_one[name]:.0%}" for name in models)
-        + f" of the four parts; and the step peak is more than their sum: for the CNN at batch {big_batch} the "
-        f"estimated peak is {peak_over_sum:.2f}x the sum, because backward's temporaries coexist with the activations"
-    ),
-)
+    measured={"activations the largest part": {name: from_batch(crossover[name][0]) for name in models},
+              "CNN step peak / sum of the four parts": peak_over_sum},
+    rule="holds if activations are the largest part in every run and the peak is within 5% of their sum")
 
 # %% [markdown]
 # **The fix.** Budget memory with all parts at your batch size, not with a rule of thumb:
@@ -358,8 +350,8 @@ print("\n".join(f"  {line.layer:<24} {line.bytes / MB:6.2f} MB  {line.saves}" fo
 # %%
 vit_batch_one = parts(analytic["ViT-Base", 1])
 comparison = {
-    "activations, one layer": (12 * MB, per_layer),
-    "activations, 12 layers": (144 * MB, all_layers),
+    "one layer's activations": (12 * MB, per_layer),
+    "12 layers' activations": (144 * MB, all_layers),
     "parameters": (125 * MB, int(state["parameters"])),
     "AdamW state": (500 * MB, int(state["optimizer state"])),
     "total": (894 * MB, sum(vit_batch_one.values())),
@@ -455,16 +447,9 @@ parts_holding = [label for label, verdict in part_verdicts.items() if verdict ==
 claims.check(
     "K2",
     verdict="holds" if len(parts_holding) == len(part_verdicts) else "partly" if parts_holding else "does-not-hold",
-    evidence=(
-        f"ViT-Base/16 has {parameter_count / 1e6:.1f}M parameters: {comparison['parameters'][1] / MB:.0f} MB in float32 "
-        f"(claimed 125), AdamW state {comparison['AdamW state'][1] / MB:.0f} MB (claimed 500), gradients "
-        f"{int(state['gradients']) / MB:.0f} MB left out; activations {per_layer / MB:.1f} MB per layer and "
-        f"{all_layers / MB:.0f} MB for 12 layers at batch 1 with fused attention (claimed 12 and 144); written-out "
-        f"attention, which saves its probabilities, keeps {explicit_layer / MB:.1f} MB per layer at batch 1, "
-        f"growing with the batch; the four parts at batch 1 total {comparison['total'][1] / MB:,.0f} MB (claimed 894); "
-        f"within 25% of the claim: {', '.join(parts_holding) or 'none'} of the {len(part_verdicts)} figures"
-    ),
-)
+    measured={"the article's figure / the calculator's at batch 1": {
+        label: claimed / real for label, (claimed, real) in comparison.items()}},
+    rule="a figure holds within 25%; the claim holds if all five do, partly if some do")
 
 # %% [markdown]
 # **The fix, proven**: the calculator's arithmetic, per parameter in float32 with AdamW, is 4 B of
@@ -874,13 +859,8 @@ fp32_share = int(resnet_memory["fp32"]) / A100_BYTES
 claims.check(
     "K8",
     verdict=k8_verdict(fp32_share),
-    evidence=(
-        f"ResNet-50 ({sum(p.numel() for p in resnet.parameters()) / 1e6:.1f}M parameters) at batch {resnet_batch}, "
-        f"224×224, AdamW: {int(resnet_memory['fp32']) / 1e9:.1f} GB in float32 ({fp32_share:.0%} of 80 GB) and "
-        f"{int(resnet_memory['amp_fp16']) / 1e9:.1f} GB with fp16 autocast, by labkit's calculator; twice the float32 "
-        f"figure would be {2 * fp32_share:.0%} of an 80 GB A100"
-    ),
-)
+    measured={"float32 estimate, share of 80 GB": f"{fp32_share:.0%}", "ResNet-50 batch": resnet_batch},
+    rule="holds within 10% of 80 GB, partly within half of it")
 
 # %% [markdown]
 # **The fix.** Estimate before you choose a batch size: `memory.analytic_memory` on a meta-device

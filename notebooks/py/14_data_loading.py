@@ -241,18 +241,11 @@ print("1 thread and several agree to rounding level (rtol 1e-5):", thread_report
 # **[Verdict](GLOSSARY.md#verdict).**
 
 # %%
-bitwise_equal = compare_grads(altered, in_process).all_exact
 claims.check(
     "I1",
     verdict="does-not-hold" if kernel_unchanged and same_every_step and not zero_steps else "partly",
-    evidence=(
-        f"workers that set {ALTERED_THREADS} threads left this process's settings unchanged ({kernel_unchanged}); "
-        f"over {steps} SGD steps with those workers every gradient norm equalled the run that loads in-process "
-        f"({same_every_step}), the last gradients matched bitwise ({bitwise_equal}), and {len(zero_steps)} steps "
-        "had an all-zero gradient; thread count moves CPU results by rounding at most "
-        f"(agree to rtol 1e-5: {thread_report.all_close})"
-    ),
-)
+    measured={"steps with an all-zero gradient": len(zero_steps), "this process's threads unchanged": kernel_unchanged,
+              "every gradient norm as loading in-process": same_every_step})
 
 # %% [markdown]
 # **The fix, proven.** There is nothing for the article's `worker_init_fn` to fix: it gave the
@@ -350,13 +343,8 @@ print(f"{max(worker_counts)} workers: {speedup:.1f}x the in-process rate; prefet
 claims.check(
     "I2",
     verdict="partly" if speedup > 1.5 and with_workers.prefetch_factor == 2 else "does-not-hold",
-    evidence=(
-        f"with {sleep_ms:g} ms per item, {max(worker_counts)} workers loaded more than 1.5x as many samples/s as "
-        f"loading in-process ({speedup > 1.5}); prefetch_factor is already {with_workers.prefetch_factor} by default "
-        "with workers, so setting it to 2 changes nothing; more workers help only while producing items is the "
-        "bottleneck, and low GPU utilisation has other causes too (measured on the GPU runner)"
-    ),
-)
+    measured={"most workers load over 1.5x the in-process rate": speedup > 1.5, "ms per item": sleep_ms,
+              "prefetch_factor by default with workers": with_workers.prefetch_factor})
 
 # %% [markdown]
 # On a GPU the claim's trigger, utilisation under 50 %, can be measured: the same slow loader
@@ -483,11 +471,11 @@ print(compare_guess(guess, duplicated_share(reproduction), bounds=(0, 1),
 
 # %%
 variants = {
-    "own generator, no worker_init_fn": noise_per_epoch(NoisyDigits(noisy_images, seed=seed)),
-    "NumPy global state, no worker_init_fn": noise_per_epoch(NoisyDigits(noisy_images, source="global")),
-    "own generator, np.random.seed in worker_init_fn": noise_per_epoch(NoisyDigits(noisy_images, seed=seed),
+    "own generator": noise_per_epoch(NoisyDigits(noisy_images, seed=seed)),
+    "NumPy global state": noise_per_epoch(NoisyDigits(noisy_images, source="global")),
+    "own generator + np.random.seed in worker_init_fn": noise_per_epoch(NoisyDigits(noisy_images, seed=seed),
                                                                        seed_global_numpy),
-    "own generator, reseeded per worker": noise_per_epoch(NoisyDigits(noisy_images, seed=seed),
+    "own generator reseeded per worker": noise_per_epoch(NoisyDigits(noisy_images, seed=seed),
                                                           reseed_dataset_rng),
 }
 shares = {name: (duplicated_share(noise), repeated_share(noise)) for name, noise in variants.items()}
@@ -505,21 +493,15 @@ for name, (duplicated, repeated) in shares.items():
 
 # %%
 own, quoted_fix, real_fix = (shares[name] for name in (
-    "own generator, no worker_init_fn", "own generator, np.random.seed in worker_init_fn",
-    "own generator, reseeded per worker"))
-global_state = shares["NumPy global state, no worker_init_fn"]
+    "own generator", "own generator + np.random.seed in worker_init_fn",
+    "own generator reseeded per worker"))
+global_state = shares["NumPy global state"]
 claims.check(
     "I3",
     verdict=("holds" if global_state[0] > 0 and quoted_fix[0] == 0
              else "partly" if own[0] > 0 else "does-not-hold"),
-    evidence=(
-        f"with a generator the dataset owns, {own[0]:.0%} of {noisy_samples} samples shared their noise with "
-        f"another sample and {own[1]:.0%} repeated last epoch's noise; NumPy's global state is already seeded "
-        f"per worker by the installed torch ({global_state[0]:.0%} and {global_state[1]:.0%}); the quoted fix "
-        f"(np.random.seed in worker_init_fn) left {quoted_fix[0]:.0%} duplicated, and reseeding the dataset's "
-        f"generator from get_worker_info().seed gave {real_fix[0]:.0%} and {real_fix[1]:.0%}"
-    ),
-)
+    measured={"noise duplicated / repeated next epoch": {name: f"{d:.0%} / {r:.0%}" for name, (d, r) in shares.items()}},
+    rule="holds if NumPy's global state duplicates and the quoted fix cures it; partly if the own generator duplicates")
 
 # %% [markdown]
 # **The fix, proven** (last row of the table): give each worker's copy of the dataset a generator of
@@ -561,12 +543,8 @@ claims.check(
     "I4",
     verdict=("does-not-hold" if cpu_batch_device.type == "cpu" and "prefetch" not in IterDataPipe.functions
              else "partly"),
-    evidence=(
-        f"collate() stacked 4 CPU samples into a batch that stayed on {cpu_batch_device.type} (it batches, it does "
-        f"not transfer); none of the {len(IterDataPipe.functions)} functional names of the installed torch's IterDataPipe is "
-        "prefetch, and torchdata is not installed, so the GPU prefetch could not come from this stack"
-    ),
-)
+    measured={"collate() leaves a CPU batch on": cpu_batch_device.type, "DataPipe functional names": len(IterDataPipe.functions),
+              "prefetch among them": "prefetch" in IterDataPipe.functions}, note="torchdata is not installed")
 
 # %% [markdown]
 # **The fix, proven.** The transfer to the GPU is your training loop's job, `batch.to(device)`. It

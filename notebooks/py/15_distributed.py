@@ -346,17 +346,10 @@ claims.check(
     "O3",
     verdict=("holds" if averaging_visible and per_rank_stats_visible else "partly") if averaged_as_claimed
     else "does-not-hold",
-    evidence=(
-        f"with {world_size} gloo processes{' all given the same rows' if same_rows else ''}, DDP's gradient equalled "
-        f"the mean of the ranks' own gradients to rtol 1e-12 ({versus_mean.all_close}), which "
-        f"{'differed' if own_differ else 'were all the same, so no averaging could show'}, and was bitwise the same "
-        f"on every rank ({ranks_agree}); after one eval "
-        f"forward the ranks' BatchNorm running means were {rank_spread(synced, 'after_eval_forward'):.3f} apart with "
-        f"buffer sync and {rank_spread(unsynced, 'after_eval_forward'):.3f} without; each rank's batch mean was up to "
-        f"{stats_gap:.3f} from the global batch's; no_sync cut {without_no_sync[0]['allreduces']} all-reduces to "
-        f"{with_no_sync[0]['allreduces']} for the same gradient"
-    ),
-)
+    measured={"DDP's gradient = the mean of the ranks' own (rtol 1e-12)": versus_mean.all_close,
+              "bitwise the same on every rank": ranks_agree, "the ranks' own gradients differ": own_differ,
+              "a rank's batch mean from the global batch's, at most": stats_gap},
+    rule="holds if DDP averages as claimed and the data show both the averaging and per-rank statistics; partly if not")
 
 # %% [markdown]
 # ## Case O1: the 8-GPU loss is higher than the 1-GPU loss
@@ -602,24 +595,15 @@ flags_closed = (ranks_run["test_loss"] - article_run["test_loss"]) / (ranks_run[
 # fix (they close at least half of the gap to the one-process loss, as a fix would).
 timing_is_the_cause = not late_identical
 flags_fix_it = higher and flags_closed >= 0.5
-flags_text = (
-    f"left rank {report_rank}'s losses bitwise unchanged" if flags_changed_nothing else
-    f"moved rank {report_rank}'s test loss to {article_run['test_loss']:.4f}, {flags_closed:.0%} of that gap, with "
-    f"its training losses {'bitwise unchanged' if article_run['losses'] == ranks_run['losses'] else 'changed'}"
-)
 claims.check(
     "O1",
     verdict={2: "holds", 1: "partly", 0: "does-not-hold"}[timing_is_the_cause + flags_fix_it],
-    evidence=(
-        f"a rank 0.3 s late {'left every gradient bit unchanged' if late_identical else 'changed the gradient'}; the "
-        f"{world_size}-rank test loss (rank {report_rank}'s model) was "
-        f"{'higher' if higher else 'lower'} ({ranks_run['test_loss']:.4f} vs {one_gpu_run['test_loss']:.4f}) and "
-        f"the same samples made {steps} steps of {global_batch} instead of {steps * world_size} of {per_rank_batch} "
-        f"(scaling lr by {world_size} gave {scaled_run['test_loss']:.4f}, {gap_closed:.0%} of that gap), and "
-        f"{'per-rank' if bug else 'global-batch'} BatchNorm moved the training loss by up to {loss_gap:.2g} from one process on the same batches; "
-        f"find_unused_parameters=True with broadcast_buffers=False {flags_text}"
-    ),
-)
+    measured={"a rank 0.3 s late changed the gradient": not late_identical, "rank tested": report_rank,
+              "test loss": {"one process": one_gpu_run["test_loss"], "ranks": ranks_run["test_loss"]},
+              "share of that gap closed": {"lr × ranks": f"{gap_closed:.0%}", "the article's flags": f"{flags_closed:.0%}"},
+              "changed by the article's flags": {"test loss": article_run["test_loss"] != ranks_run["test_loss"],
+                                                 "training losses": article_run["losses"] != ranks_run["losses"]}},
+    rule="holds if the late rank changes the gradient and the flags close half of the gap; partly if one of the two")
 
 
 # %% [markdown]
@@ -737,16 +721,8 @@ avg_fewer = counts["AVG"] < counts["SUM then divide"]
 claims.check(
     "O2b",
     verdict="holds" if avg_fewer else "does-not-hold",
-    evidence=(
-        f"on gloo, which ran ReduceOp.AVG here, AVG issued {counts['AVG']} all_reduce and SUM then divide issued "
-        f"{counts['SUM then divide']}: "
-        + ("the division by a count the ranks all-reduced costs the extra one, which AVG saves" if count_ranks else
-           "the division by the known number of ranks is local and needs no synchronisation")
-        + f"; the results agreed to 1e-15: {avg_diff < 1e-15}; one DDP backward issued "
-        f"{counts['one DDP backward']} all_reduce; the link (PCIe or NVLink) changes how long a collective takes, "
-        "not how many there are"
-    ),
-)
+    measured={"gloo all_reduce calls": counts, "SUM then divide all-reduces its divisor (count_ranks)": count_ranks},
+    note="the link (PCIe or NVLink) changes how long a collective takes, not how many there are")
 
 # %% [markdown]
 # ## Case O2: NVLink, PCIe and "NV2"
@@ -836,25 +812,15 @@ if peer_rates is not None:
     claims.check(
         "O2",
         verdict=o2_verdict,
-        evidence=(
-            f"{gpus} x {gpu_name}: GPU 0 <-> GPU 1 is '{link}' in nvidia-smi topo -m, whose legend reads "
-            f"{nv_legend[0] if nv_legend else '(no NV# legend printed)'}; 256 MiB copies ran at {peer_rates[0]:.1f} "
-            f"and {peer_rates[1]:.1f} GB/s one way ({both_ways:.1f} both ways, one direction at a time). Parts tested: "
-            + (", ".join(f"{part}: {value}" for part, value in tested.items()) or "none")
-            + "; the DDP-grouping advice is not measured here"
-        ),
+        measured={"parts of the claim tested": tested or "none", "GPU 0 <-> GPU 1 link": link or "not read",
+                  "peer copy GB/s, each way": list(peer_rates), "GPUs": f"{gpus} x {gpu_name}"},
         device_dependent=True,
     )
 else:
     claims.check(
         "O2",
         verdict="needs-gpu",
-        evidence=(
-            f"needs two or more GPUs and this run has {gpus}. With two, the notebook reads the GPU 0 <-> GPU 1 link and "
-            "the NV# legend from nvidia-smi topo -m, times 256 MiB peer copies each way, and decides whether NV# "
-            "names an NVLink version (the article's reading of NV2) and, on an A100 NVLink pair, whether both "
-            "directions reach 80% of 600 GB/s"
-        ),
+        note=f"needs two or more GPUs; this run has {gpus}",
         device_dependent=True,
     )
 

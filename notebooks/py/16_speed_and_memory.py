@@ -329,17 +329,10 @@ claims.metric("checkpointed_blocks_memory_ratio", round(block_ratio, 4))
 claims.check(
     "K4",
     verdict="partly" if block_ratio < 0.5 and same_grads["checkpointed blocks"] else "does-not-hold",
-    evidence=(
-        "the article's pass is never called by its snippet; applied, "
-        + (f"it makes the model fail with {article_pass_error.split(':')[0]}" if article_pass_error else "it runs")
-        + f"; the literal repair (checkpoint(F.relu, x)) keeps {relu_ratio:.2f}x the plain model's memory after "
-        f"forward; checkpointing whole blocks through fx keeps {block_ratio:.2f}x ({plain_bytes:,} B plain, "
-        f"{kept_after_forward['checkpointed blocks']:,} B checkpointed, {block_rng_copies:,} B of it outside autograd, "
-        f"{block_rng_copies / rng_state_bytes:g} RNG states) for {block_flops:.2f}x the FLOPs of a step, with "
-        f"{'the same' if same_grads['checkpointed blocks'] else 'different'} gradients; the 13B model's 42 to 28 GB "
-        "and 12% cannot be reproduced here"
-    ),
-)
+    measured={"kept after forward / plain model": {"checkpointed blocks": block_ratio, "checkpoint(F.relu, x)": relu_ratio},
+              "same gradients": same_grads["checkpointed blocks"], "RNG states kept": block_rng_copies / rng_state_bytes,
+              "step FLOPs / plain": block_flops, "the article's pass raises": (article_pass_error or "no").split(":")[0]},
+    rule="partly if checkpointed blocks keep under half, with the same gradients (no 13B model to measure here)")
 
 # %% [markdown]
 # **The fix, proven** above: checkpoint segments that hold many activations (a whole block), pass
@@ -426,25 +419,20 @@ else:
     print("no CUDA device here: attention speed is measured on the GPU runner")
 
 # %% tags=["nbval-ignore-output"]
-cpu_memory = ", ".join(f"{1 - f / e:.0%} at {length}" for length, (f, e) in attention_saved.items())
+saved_bytes_cut = {length: f"{1 - f / e:.0%}" for length, (f, e) in attention_saved.items()}
 if dev.type == "cuda":
     claims.check(
         "K6",
         verdict="partly" if speedup > 1.5 and memory_saving > 0.3 else "does-not-hold",
-        evidence=(
-            f"{torch.cuda.get_device_name(dev)}, 8×2048 tokens, bf16: fused attention {speedup:.2f}x as fast for "
-            f"forward+backward, peak {memory_saving:.0%} lower; exact saved bytes on CPU: fused keeps {cpu_memory} "
-            "less than explicit attention, so the saving depends on the sequence length"
-        ),
+        measured={"fused attention, times as fast": speedup, "peak memory saved": f"{memory_saving:.0%}",
+                  "memory fused attention saves, by tokens": saved_bytes_cut},
+        note=f"{torch.cuda.get_device_name(dev)}, 8×2048 tokens, bf16", rule="partly if over 1.5x as fast, over 30% less memory"
     )
 else:
     claims.check(
         "K6",
         verdict="needs-gpu",
-        evidence=(
-            f"memory measured here: fused attention saves {cpu_memory} tokens of what explicit attention keeps "
-            "for backward, so 37% is one sequence length, not a constant; the speed claims need a GPU"
-        ),
+        measured={"memory fused attention saves, by tokens": saved_bytes_cut}, note="the article: 37%; speed needs a GPU",
     )
 
 # %% [markdown]
@@ -515,21 +503,15 @@ if dev.type == "cuda":
     claims.check(
         "K3",
         verdict="partly" if arithmetic_holds and benchmark_speedup > 1.05 else "does-not-hold",
-        evidence=(
-            f"1.2 GB / 2 TB/s is 0.6 ms ({arithmetic_holds}); on {torch.cuda.get_device_name(dev)} a CNN backward "
-            f"moving at least {lower_bound / 1e9:.2f} GB reached {float(achieved):.2f} TB/s against a measured copy "
-            f"rate of {copy}; cudnn.benchmark=True changed its time by a factor {benchmark_speedup:.2f}; bank "
-            "conflicts are a shared-memory effect that no HBM-level timing can show"
-        ),
+        measured={"cudnn.benchmark=True, times as fast": benchmark_speedup, "1.2 GB / 2 TB/s = 0.6 ms": arithmetic_holds,
+                  "backward TB/s, at least": float(achieved), "copy rate": f"{copy}"},
+        note=f"{torch.cuda.get_device_name(dev)}; bank conflicts are on-chip, beyond what this timing can show",
     )
 else:
     claims.check(
         "K3",
         verdict="needs-gpu",
-        evidence=(
-            f"the arithmetic is right (1.2 GB / 2 TB/s = 0.6 ms: {arithmetic_holds}); the backward's bandwidth and "
-            "the effect of cudnn.benchmark need a GPU and are measured in the cell above on the GPU runner"
-        ),
+        measured={"1.2 GB / 2 TB/s = 0.6 ms": arithmetic_holds}, note="the backward and cudnn.benchmark need a GPU",
     )
 
 # %% [markdown]
@@ -625,27 +607,16 @@ if dev.type == "cuda":
     claims.check(
         "K5",
         verdict="holds" if lowers_memory else ("partly" if never_raises else "does-not-hold"),
-        evidence=(
-            f"{torch.cuda.get_device_name(dev)}, 4-layer MLP training step, one fresh process per mode: "
-            + "; ".join(f"{mode} " + ", ".join(f"{key.replace('_', ' ')} {value / 2**20:,.0f} MiB"
-                                               for key, value in peaks.items())
-                        for mode, peaks in compile_memory.items())
-            + "; reduce-overhead against eager: " + ", ".join(f"{key.replace('_', ' ')} {ratio:.2f}x"
-                                                            for key, ratio in relative.items())
-            + "; torch's documentation says reduce-overhead can cost more memory"
-        ),
+        measured={"reduce-overhead / eager": {key.replace("_", " "): ratio for key, ratio in relative.items()}},
+        note=f"{torch.cuda.get_device_name(dev)}, a 4-layer MLP's training step, each mode in a fresh process",
+        rule="holds if every peak is at most 0.9x eager's, partly if every one is lower",
         device_dependent=True,
     )
 else:
     claims.check(
         "K5",
         verdict="needs-gpu",
-        evidence=(
-            f"the installed torch documents reduce-overhead as CUDA graphs that can cost more memory "
-            f"(both stated: {mentions_memory_cost}); on a CPU it is the default mode. On a GPU the notebook runs an "
-            "MLP training step eager, compiled (default) and compiled (reduce-overhead), each in a fresh process, "
-            "and compares peak allocated and peak reserved memory (whole run and steady state) against eager"
-        ),
+        measured={"the docs name CUDA graphs and more memory": mentions_memory_cost}, note="on a CPU it is the default mode",
         device_dependent=True,
     )
 
@@ -723,15 +694,8 @@ else:
 claims.check(
     "K7",
     verdict="does-not-hold" if not rows_about_decay and same_memory else "partly",
-    evidence=(
-        f"memory_summary formats {len(summary_rows)} allocator statistics ({', '.join(summary_rows[:3])}, ...), "
-        + (f"of them about weight decay or the optimizer: {', '.join(rows_about_decay)}" if rows_about_decay
-           else "none about weight decay or the optimizer")
-        + "; an AdamW step's estimated memory at weight decay " + ", ".join(map(str, decays)) + " is "
-        + (f"the same ({int(step_memory[decays[0]]):,} B each)" if same_memory
-           else ", ".join(f"{int(step_memory[wd]):,} B" for wd in decays))
-    ),
-)
+    measured={"memory_summary rows about weight decay or the optimizer": rows_about_decay or "none",
+              "memory_summary rows": len(summary_rows), "AdamW step memory the same at every weight decay": same_memory})
 
 # %% [markdown]
 # **The fix, proven.** Weight decay shows in the weights: their norm after training, and the
