@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from torch.amp import GradScaler
 
-from labkit._check_sandbox import _CheckTimedOut, _plain, _time_limit
-from labkit.exercises import Differentiated, NotYet, watched_call
+from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _plain, _time_limit
+from labkit.exercises import Differentiated, NotYet, registry, watched_call
 from labkit.messages import describe_error
 
 __all__: list[str] = []
@@ -175,6 +175,9 @@ def _serve(channel: socket.socket, request: dict) -> None:
     from labkit.grading import EXERCISE_NAMESPACE
 
     namespace = dict(EXERCISE_NAMESPACE)
+    # As the cell found them: put back before each request is read, so the check's classes and drivers that
+    # arrive by name (`labkit.exercises.run_beside`), and the torch functions they use, are the check's own
+    guarded = _Namespaces(registry()[request["exercise"]].check.__module__)
     ran = run_cell(request, namespace)
     _reply(channel, ran)
     if ran[0] != "defined":
@@ -184,6 +187,7 @@ def _serve(channel: socket.socket, request: dict) -> None:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
                 _time_limit(request["time_limit_s"]):
             while (payload := _receive(channel)) is not None:
+                guarded.restore()
                 _reply(channel, _answer_call(answer, pickle.loads(payload)))  # noqa: S301 (from the judge)
     except _CheckTimedOut as stopped:
         _reply(channel, ("timed_out", stopped.limit))

@@ -94,3 +94,54 @@ def test_an_answer_apart_finds_no_frame_of_its_check():
 def test_an_answer_beside_its_check_cannot_write_its_own_verdict(answer):
     result = grading.grade_cell(SHARED[0], forging(answer, SHARED), SHARED[1])
     assert not result.passed, result.message
+
+
+# A wrong 16.1 (no checkpoint at all) whose cell replaces the check's driver, and a class the check sends its
+# arguments in, with forgeries that report what a right answer would: the check's own come back before each call.
+THROUGH_THE_DRIVER = """# exercise 16.1
+import math
+import torch
+import labkit.exercises.nb16 as check
+
+def forged(checkpointed_forward, blocks, x, per_segment):
+    output = checkpointed_forward(blocks, x, per_segment)
+    grads = torch.autograd.grad(output.square().sum(), list(blocks.parameters()))
+    return output, grads, math.ceil(len(blocks) / per_segment) * x.untyped_storage().nbytes()
+
+check._segments_run = forged
+
+def checkpointed_forward(blocks, x, blocks_per_segment):
+    for block in blocks:
+        x = block(x)
+    return x
+"""
+THROUGH_A_CLASS = """# exercise 10.1
+import torch
+import torch.nn.functional as F
+import labkit.exercises.nb10 as check
+
+class Forged(check._CountingScaler):
+    def state_dict(self):
+        return {**super().state_dict(), "calls": {"step": 0, "update": 0}}
+
+check._CountingScaler = Forged
+
+def amp_step(model, optimizer, scaler, x, y):
+    optimizer.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    return loss.item()
+"""
+
+
+@pytest.mark.trial("extra")
+@pytest.mark.parametrize(("exercise", "answer", "diagnosis"), [
+    ("16.1", THROUGH_THE_DRIVER, "the inside of each block is still saved"),
+    ("10.1", THROUGH_A_CLASS, "the scaler had not finished its step"),
+], ids=["driver", "class"])
+def test_an_answer_apart_cannot_replace_the_checks_own_code_in_its_process(exercise, answer, diagnosis):
+    function = answer.split("def ")[-1].split("(")[0]
+    result = grading.grade_cell(exercise, answer, function)
+    assert not result.passed and diagnosis in result.message, result.message
