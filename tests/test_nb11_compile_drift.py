@@ -52,16 +52,16 @@ def test_head_ops_follow_the_bug_and_h4_follows_the_measured_slope(tmp_path, stu
         assert result.metrics["clamp_slope_at_zero"] in (0.0, 1.0)  # the two slopes torch releases have given
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
-    evidence = {c["id"]: c["evidence"] for c in result.claims}
+    measured = {c["id"]: c["measured"] for c in result.claims}
     h4_verdict = "holds" if torch_relu_slope == 0.0 else "does-not-hold"
     expected = {"H4": h4_verdict, "H1": "does-not-hold", "H2": "partly"}
     # H3's cell is not compared by nbval, so the stored run leaves it out
     assert verdicts == (expected if bug else {**expected, "H3": "needs-gpu"})
     assert result.metrics["head_ops_captured"] == (1 if bug else 0)
     # H2 measures both exclusions in every run: the article's flag leaves the head op in the graph.
-    assert "with head._compiled = False torch.compile still captured 1 head op(s), with torch.compiler.disable" \
-           " on head.forward 0," in evidence["H2"]
+    assert measured["H2"]["head ops traced"] == {"head._compiled = False": 1, "torch.compiler.disable": 0}
     if torch_relu_slope == 0.0:
-        assert "all give slope 0 at x = 0" in evidence["H4"]
+        assert measured["H4"]["built-in relus' slopes at 0"] == [0.0]
     else:
-        assert "disagree at x = 0: torch.relu 0.5 eager, 0.5 compiled" in evidence["H4"]
+        assert measured["H4"]["built-in relus' slopes at 0"] == [0.0, 0.5]
+        assert measured["H4"]["torch.relu's, eager and compiled"] == [0.5, 0.5]

@@ -45,11 +45,13 @@ def test_summed_loss_scales_the_step_with_the_batch_only_with_the_bug(tmp_path, 
     assert result.status == "ok", result.error
     verdicts = {c["id"]: c["verdict"] for c in result.claims}
     assert verdicts["J2"] == j2 and verdicts["J3"] == j3
-    j3_evidence = next(c["evidence"] for c in result.claims if c["id"] == "J3")
+    j3_measured = next(c["measured"] for c in result.claims if c["id"] == "J3")
     if j3 == "holds":
-        assert "averaged gradient equals one 64-row batch's" in j3_evidence
+        assert j3_measured["averaged gradient equals one batch's"] is True
+        assert j3_measured["rows per update"] == j3_measured["the formula's global batch"] == 64
     else:
-        assert "not the formula's 1600" in j3_evidence and "averaged gradient differs from" in j3_evidence
+        assert j3_measured["the formula's global batch"] == 1600 and j3_measured["rows per update"] != 1600
+        assert j3_measured["averaged gradient equals one batch's"] is False
     ratio = result.metrics["loss_std_ratio_64_to_32"]
     assert ratio >= 1.5 if j2 == "partly" else ratio < 1.5
     growth, final_loss = result.metrics["update_ratio_growth"], result.metrics["final_loss"]

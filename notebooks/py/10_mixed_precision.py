@@ -241,17 +241,9 @@ for kind in gradients:
 # %%
 act = unscaled["activation"]
 lost_as_claimed = smallest_positive(torch.float16) >= FP16_SMALLEST_NORMAL and act["lost"] >= act["below"]
-claims.check(
-    "G1",
-    verdict="holds" if lost_as_claimed else "does-not-hold",
-    evidence=(
-        f"fp16's smallest positive value is {smallest_positive(torch.float16):.3g} (2^-24); 6.1e-5 is its smallest "
-        f"normal number; values under 2^-25 = {2.0**-25:.3g} become 0. On digits activation gradients "
-        f"{act['below']:.1%} of entries are below 6.1e-5 but {act['lost']:.1%} become 0 in fp16 "
-        f"(weights: {unscaled['weight']['below']:.1%} below, {unscaled['weight']['lost']:.1%} lost); "
-        f"scaling by 65536 first leaves {scaled['activation']['lost']:.1%} lost"
-    ),
-)
+claims.check("G1", verdict="holds" if lost_as_claimed else "does-not-hold", measured={
+    "activation gradients": {"below 6.1e-5": f"{act['below']:.1%}", "lost in fp16": f"{act['lost']:.1%}"},
+    "fp16's smallest positive": smallest_positive(torch.float16)}, rule="holds if fp16 loses all below 6.1e-5")
 
 
 # %% [markdown]
@@ -354,19 +346,16 @@ for name, dtype in FORMATS.items():
     print(f"weights in {name}: {unchanged[moving].double().mean().item():6.1%} of non-zero updates vanish")
 
 # %%
+bf16_has_fp32_range = torch.finfo(torch.bfloat16).smallest_normal == torch.finfo(torch.float32).smallest_normal
 claims.check(
     "G5",
     verdict="holds" if (torch.finfo(torch.bfloat16).smallest_normal == torch.finfo(torch.float32).smallest_normal
                         and worst_normal["bf16"] > worst_normal["fp16"]
                         and bf16_lost["activation"]["lost"] < unscaled["activation"]["lost"]) else "does-not-hold",
-    evidence=(
-        f"bf16 shares fp32's smallest normal {torch.finfo(torch.bfloat16).smallest_normal:.3g} and reaches "
-        f"{torch.finfo(torch.bfloat16).max:.3g} (fp16: 6.1e-5 and 65504; 65520 overflows to inf); its rounding error "
-        f"on ordinary values reaches {worst_normal['bf16']:.1e} against fp16's {worst_normal['fp16']:.1e}; without a "
-        f"scaler fp16 loses {unscaled['activation']['lost']:.1%} of the digits activation gradients, bf16 "
-        f"{bf16_lost['activation']['lost']:.1%}. bf16 still needs float32 master weights"
-    ),
-)
+    measured={"activation gradients lost, no scaler": {"fp16": f"{unscaled['activation']['lost']:.1%}",
+                                                       "bf16": f"{bf16_lost['activation']['lost']:.1%}"},
+              "worst rounding error": worst_normal, "bf16 has fp32's smallest normal": bf16_has_fp32_range},
+    rule="holds if bf16 has fp32's range, a larger rounding error and fewer lost gradients")
 
 # %% [markdown]
 # **The fix.** Use bf16 autocast where the hardware has it and no scaler is needed; with fp16, use
@@ -477,8 +466,8 @@ settings = {
     "backoff_factor 0.6": {"backoff_factor": 0.6},
     "backoff_factor 0.25": {"backoff_factor": 0.25},
     "growth_interval 200": {"growth_interval": 200},
-    "interval 200, growth 1.5": {"growth_interval": 200, "growth_factor": 1.5},
-    "interval 200, growth 4": {"growth_interval": 200, "growth_factor": 4.0},
+    "interval 200 growth 1.5": {"growth_interval": 200, "growth_factor": 1.5},
+    "interval 200 growth 4": {"growth_interval": 200, "growth_factor": 4.0},
     "no scaler": {"enabled": False},
 }
 runs = {}
@@ -494,7 +483,7 @@ for name, run in runs.items():
 panels = {"init_scale": ("torch defaults", ["init_scale 2^8", "init_scale 2^24"]),
           "backoff_factor": ("torch defaults", ["backoff_factor 0.6", "backoff_factor 0.25"]),
           "growth_interval": ("torch defaults", ["growth_interval 200"]),
-          "growth_factor, interval 200": ("growth_interval 200", ["interval 200, growth 1.5", "interval 200, growth 4"])}
+          "growth_factor, interval 200": ("growth_interval 200", ["interval 200 growth 1.5", "interval 200 growth 4"])}
 figure, axes = plt.subplots(1, 4, figsize=(13, 3.4), sharey=True, layout="constrained")
 for ax, (title, (baseline, names)) in zip(axes, panels.items()):
     for name in [baseline, *names]:
@@ -516,7 +505,7 @@ print(f"lost entries, defaults {runs['torch defaults']['lost']:.2%}; without a s
 # %%
 defaults_run, low_init, high_init = runs["torch defaults"], runs["init_scale 2^8"], runs["init_scale 2^24"]
 backoff_06 = runs["backoff_factor 0.6"]
-growth_names = ("interval 200, growth 1.5", "growth_interval 200", "interval 200, growth 4")
+growth_names = ("interval 200 growth 1.5", "growth_interval 200", "interval 200 growth 4")
 growth_lost = [runs[name]["lost"] for name in growth_names]
 # Each "must" holds only if leaving the claimed value costs clearly more lost entries (1.5x).
 worse = lambda run: run["lost"] > 1.5 * defaults_run["lost"]  # noqa: E731
@@ -528,19 +517,10 @@ claims.check(
     "G2",
     verdict=("holds" if all(rules_supported) and defaults == claimed
              else "partly" if any(rules_supported) or defaults == claimed else "does-not-hold"),
-    evidence=(
-        f"the claimed values are exactly torch's defaults {defaults}; the scale is float32 (after a 0.6 backoff it "
-        f"holds {after_backoff:.7g}, fp16 would round it to {torch.tensor(after_backoff).half().item():.5g}) and the "
-        f"0.6 run skipped {backoff_06['skipped']} steps and lost {backoff_06['lost']:.1%} of entries vs "
-        f"{defaults_run['skipped']} and {defaults_run['lost']:.1%} at 0.5; init 2^8 lost {low_init['lost']:.1%}, "
-        f"init 2^24 lost {high_init['lost']:.1%} for {high_init['skipped']} skipped steps; at interval 2000 the scale "
-        f"{'grew' if max(defaults_run['scales']) > defaults_run['scales'][0] else 'never grew'}, at interval 200 "
-        f"growth 1.5/2/4 lost " + "/".join(f"{share:.1%}" for share in growth_lost)
-        + f"; interval 200 lost {runs['growth_interval 200']['lost']:.1%} for {runs['growth_interval 200']['skipped']}"
-        f" skipped steps; {sum(rules_supported)} of {len(rules_supported)} 'musts' cost clearly more (1.5x) when left. "
-        f"The article's own example is off too: 1e-4 x 65536 is {1e-4 * 65536:.2f}, not the 1.6 it prints"
-    ),
-)
+    measured={"'musts' that lose 1.5x the entries when left": f"{sum(rules_supported)} of {len(rules_supported)}",
+              "defaults as claimed": defaults == claimed, "lost": {n: f"{r['lost']:.1%}" for n, r in runs.items()}},
+    note=f"the article's own example is off: 1e-4 x 65536 is {1e-4 * 65536:.2f}, not the 1.6 it prints",
+    rule="holds if the values are the defaults and each 'must' loses 1.5x when left; partly if either")
 
 
 # %% [markdown]
@@ -636,17 +616,9 @@ print(f"doublings needed to get back to 65536: {math.log2(2.0**16 / left_scale):
 reached_zero = first_zero_step is not None
 clean_steps_taken = sum(collapse_skipped[after_burst:]) == 0
 turned_nan = not bool(collapse_param.isfinite().all())
-claims.check(
-    "G6",
-    verdict="holds" if reached_zero and clean_steps_taken and turned_nan else "does-not-hold",
-    evidence=(
-        f"a {nan_burst_steps}-step NaN burst took the scale from 65536 down to {min(collapse_scales):.3g} "
-        f"(exactly 0 at step {first_zero_step}); of the 40 clean steps after it {sum(collapse_skipped[after_burst:])} "
-        f"were skipped and the parameters ended finite: {not turned_nan}; with a floor (update(1.0) below 1e-3) "
-        f"they ended finite: {bool(rescue_param.isfinite().all())}, at a scale of {left_scale:g} that loses "
-        f"{lost_at_left_scale:.1%} of entries, against {lost_at_default:.1%} at 65536"
-    ),
-)
+claims.check("G6", verdict="holds" if reached_zero and clean_steps_taken and turned_nan else "does-not-hold", measured={
+    "lowest scale": min(collapse_scales), "clean steps skipped after the burst": sum(collapse_skipped[after_burst:]),
+    "parameters finite": not turned_nan}, rule="holds if the scale hits 0, clean steps are taken, parameters turn NaN")
 
 # %% [markdown]
 # **The fix.** A collapsing scale is an alarm, not the disease: log `scaler.get_scale()` and count
@@ -939,20 +911,9 @@ placement_matters = any(first_step_skipped[(name, True)] != first_step_skipped[(
 rule_holds = not all_identical or placement_matters
 reason = "holds" if len(fp16_losses) == len(loss_dtypes) else "partly" if fp16_losses else "does-not-hold"
 halves = (("holds" if rule_holds else "does-not-hold"), reason)
-claims.check(
-    "G3",
-    verdict=halves[0] if halves[0] == halves[1] else "partly",
-    evidence=(
-        f"the rule {halves[0]}: backward inside vs outside fp16 autocast gave bit-identical gradients for all "
-        f"{len(cpu_rows)} losses ({all_identical}), and the placement left the scaler's first step unchanged "
-        f"(changed: {placement_matters}); the reason {halves[1]}: the loss dtypes are "
-        + ", ".join(f"{n} {d}" for n, d in loss_dtypes.items())
-        + f", so autocast leaves an fp16 loss only where it is hand-written; that fp16 loss's first scaled step "
-        f"was skipped with backward inside ({first_step_skipped[('hand-written CE', True)]}) and outside "
-        f"({first_step_skipped[('hand-written CE', False)]}) autocast, and scale() returned {scaled_dtype}; "
-        f"running backward outside is PyTorch's documented style, which this measurement does not contradict"
-    ),
-)
+claims.check("G3", verdict=halves[0] if halves[0] == halves[1] else "partly", measured={
+    "gradients identical, backward inside vs outside": all_identical, "loss dtype": loss_dtypes,
+    "placement changes the first scaled step": placement_matters}, rule="holds if both halves hold, partly if one")
 
 # %% [markdown]
 # **The fix.** None is needed for correctness. Calling `backward` after leaving the `with` block is
@@ -1038,19 +999,8 @@ guard_catches_inf = guard_fired > 0 and math.isfinite(guard_scales[-1])
 parts = {"scale grows to inf": scale_became_inf, "unscale_ fails on inf": unscale_failed_on_inf,
          "the guard rescues an inf scale": guard_catches_inf}
 held = [name for name, ok in parts.items() if ok]
-claims.check(
-    "G4",
-    verdict="holds" if len(held) == len(parts) else "partly" if held else "does-not-hold",
-    evidence=(
-        f"{len(held)} of {len(parts)} parts held: growth {'overflowed' if scale_became_inf else 'did not overflow'} "
-        f"(a scale of 2^126 with growth_factor 4 ended at 2^{math.log2(near_limit[-1]):.0f}); on an inf gradient "
-        + (f"unscale_ raised {inf_unscale_error}" if unscale_failed_on_inf else
-           f"unscale_ raised nothing and scaler.step skipped the step ({inf_step_skipped})")
-        + f" (unscale_ raises for fp16 parameters or a second call); the guard as written, "
-        f"`get_scale() < 1e-3`, fired on {guard_fired} of 20 steps of a scaler whose scale was inf, which stayed "
-        f"{guard_scales[-1]}; the parameter moved on some step: {bool(steps_taken)}"
-    ),
-)
+claims.check("G4", verdict="holds" if len(held) == len(parts) else "partly" if held else "does-not-hold", measured={
+    **parts, "guard fired on an inf scale, of 20 steps": guard_fired}, rule="holds if all parts hold, partly if some")
 
 # %% [markdown]
 # ## About this run

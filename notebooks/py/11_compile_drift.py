@@ -203,21 +203,8 @@ builtin = [name for name in RELU_FORMS if name in ("torch.relu", "F.relu", "nn.R
                                                       "F.threshold(x, 0, 0)")]
 builtin_slopes = {slope for name in builtin for slope in at_zero[name]}  # eager and compiled
 builtin_zero = builtin_slopes == {0.0}
-builtin_words = (f"all give slope {at_zero['torch.relu'][0]:g} at x = 0, eager and compiled ({backend})"
-                 if len(builtin_slopes) == 1 else
-                 "disagree at x = 0: " + ", ".join(f"{name} {at_zero[name][0]:g} eager, {at_zero[name][1]:g} compiled"
-                                                   for name in builtin))
-claims.check(
-    "H4",
-    verdict="holds" if builtin_zero else "does-not-hold",
-    evidence=(
-        f"torch.relu, F.relu, nn.ReLU, relu_ and F.threshold {builtin_words}; hand-written forms pick other "
-        f"subgradients: torch.maximum(x, 0) gives {at_zero['torch.maximum(x, 0)'][0]:g}, (x + |x|)/2 gives "
-        f"{at_zero['(x + |x|) / 2'][0]:g}, and x.clamp(min=0)'s is a choice torch releases changed (1, then 0; the "
-        f"installed torch's, printed above, is one of the two: {release_slope_known['x.clamp(min=0)']}); compiled gives "
-        f"eager's slope in every formulation: {compiled_as_eager}; a central finite difference gives {central:g}"
-    ),
-)
+claims.check("H4", verdict="holds" if builtin_zero else "does-not-hold", measured={
+    "built-in relus' slopes at 0": sorted(builtin_slopes), "torch.relu's, eager and compiled": at_zero["torch.relu"]})
 
 # %% [markdown]
 # **The fix.** Nothing to fix in torch's relu. Know which formulation a model uses: a hand-written
@@ -385,15 +372,9 @@ claims.check(
     "H1",
     verdict="holds" if wrong_subgradient and claimed_effect else "partly" if wrong_subgradient or claimed_effect
     else "does-not-hold",
-    evidence=(
-        f"compiled ({mode_words}) gradients agree with a float64 reference to rtol 1e-4 "
-        f"({compiled_vs_reference.all_close}); relu*w at exactly 0 gets eager's slope compiled ({backend}, "
-        f"default mode), in all {len(RELU_FORMS)} formulations of case H4: {compiled_as_eager}; after "
-        f"{drift_steps} SGD steps the validation loss is {val_compiled:.4f} compiled vs {val_eager:.4f} eager (claimed: "
-        f"+0.15) and the head's gradient std ratio is {std_ratio:.3f} (claimed: 0.40); compiled stays within 10x of "
-        f"eager's own distance from float64: {compiled_tracks_eager}"
-    ),
-)
+    measured={"validation loss (article: compiled +0.15)": {"compiled": val_compiled, "eager": val_eager},
+              "head grad std, compiled / eager (article 0.40)": std_ratio, "slope at 0 as eager's": compiled_as_eager},
+    note=f"backend {mode_words}", rule="holds if the slope differs, loss rises > 0.1 and ratio < 0.5; partly if either")
 
 # %% [markdown]
 # **The fix.** None is needed here: compiled and eager differ by rounding, and both differ from
@@ -531,15 +512,8 @@ fails_at_kink = not gradcheck_results["x = -1, 0, 1", "eager"] and not gradcheck
 claims.check(
     "H2",
     verdict="holds" if flag_works and gradcheck_works else "partly" if gradcheck_works else "does-not-hold",
-    evidence=(
-        f"torch's dynamo, inductor, compiler and nn sources read `_compiled` from an object other than `self` in "
-        f"{len(readers)} file(s); "
-        f"with head._compiled = False "
-        f"torch.compile still captured {article_head_ops} head op(s), with torch.compiler.disable on head.forward "
-        f"{fixed_head_ops}, gradients identical to eager ({same_gradients}); gradcheck of the compiled layer passes away "
-        f"from 0 ({gradcheck_works}) and fails at the kink for eager and compiled alike ({fails_at_kink})"
-    ),
-)
+    measured={"head ops traced": {"head._compiled = False": article_head_ops, "torch.compiler.disable": fixed_head_ops},
+              "gradcheck passes away from 0": gradcheck_works, "fails at 0, eager and compiled": fails_at_kink})
 
 # %% [markdown]
 # **The fix.** `torch.compiler.disable` on a module's `forward` (or on a function) to keep it
@@ -602,19 +576,16 @@ if dev.type == "cuda":
         "H3",
         verdict=("holds" if all(s > 1.05 for s in larger) else "partly" if any(s > 1.05 for s in larger)
                  else "does-not-hold"),
-        evidence=(
-            f"{torch.cuda.get_device_name(dev)}, float32 matmul: splitting into 2048-column chunks gives speed-ups "
-            + ", ".join(f"{w}: {s:.2f}x" for w, s in split_speedup.items())
-            + f"; the split graph has more nodes ({captured_counts['split_columns']} captured ops against "
-            f"{captured_counts['whole']})"
-        ),
+        measured={"split speed-up by width": {w: f"{s:.2f}x" for w, s in split_speedup.items()},
+                  "captured ops, whole and split": [captured_counts["whole"], captured_counts["split_columns"]]},
+        rule="holds if every width above 2048 runs over 1.05x faster split; partly if some do",
         device_dependent=True,
     )
 else:
     claims.check(
         "H3",
         verdict="needs-gpu",
-        evidence="a speed claim about GPU kernels (SMs, warps); the timing cell above runs on the GPU runner as it is",
+        note="a speed claim about GPU kernels (SMs, warps); the timing cell above runs on the GPU runner as it is",
     )
 
 # %% [markdown]
