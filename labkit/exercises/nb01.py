@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, call_and_differentiate, exercise, torch_error_clause
+from labkit.exercises import NotYet, call_and_differentiate, exercise, run_beside, torch_error_clause
 from labkit.tracers import autograd_graph
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
@@ -81,6 +81,30 @@ def check_entropy_term(entropy_term: Callable) -> str:
         )
     _require_close(grads, expected_grads, "the gradient", "log(p) + 1 where p > 0, and 0 where p == 0")
     return f"values and gradients match p*log(p) on {p.numel()} probabilities, finite at p == 0"
+
+
+_EDITED_SOURCE = [0.5, -1.0, 2.0]
+
+
+def _edit_the_copy(editable_copy: Callable) -> tuple[object, bool, torch.Tensor | None, torch.Tensor | str | None]:
+    """Where the answer runs (storage and graphs do not cross): the copy as returned, whether it is in the
+    graph, the original after the copy was zeroed in place, and the original's gradient then (or the
+    clause of the error its backward raised)."""
+    source = torch.tensor(_EDITED_SOURCE, dtype=torch.float64, requires_grad=True)
+    original = torch.sigmoid(source)  # SigmoidBackward0 saves this output for backward
+    copy = editable_copy(original)
+    if not (isinstance(copy, torch.Tensor) and copy.shape == original.shape):
+        return copy, False, None, None
+    in_graph = copy.requires_grad or copy.grad_fn is not None
+    returned = copy.detach().clone()
+    if in_graph:
+        return returned, True, None, None
+    copy.mul_(0)
+    try:
+        (grad,) = torch.autograd.grad(original.sum(), source)
+    except RuntimeError as error:
+        return returned, False, original.detach().clone(), torch_error_clause(error)
+    return returned, False, original.detach().clone(), grad
 
 
 def _require_tensor(result: object, shape: torch.Size, what: str) -> None:
@@ -195,26 +219,21 @@ def check_unreachable_parameters(unreachable_parameters: Callable) -> str:
         "detach() shares storage and the version counter with the original; copy the values too (detach().clone())",
     ),
     planted="zeroing the copy in place changed the original: they share storage",
+    answer_apart=True,
 )
 def check_editable_copy(editable_copy: Callable) -> str:
     """The copy is outside the graph; editing it leaves the original and its backward intact."""
-    source = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
-    original = torch.sigmoid(source)  # SigmoidBackward0 saves this output for backward
-    values_before = original.detach().clone()
-    copy = editable_copy(original)
-    _require_tensor(copy, original.shape, "editable_copy(t)")
-    if copy.requires_grad or copy.grad_fn is not None:
+    values = torch.sigmoid(torch.tensor(_EDITED_SOURCE, dtype=torch.float64))
+    copy, in_graph, original_after, backward = run_beside(editable_copy, _edit_the_copy)
+    _require_tensor(copy, values.shape, "editable_copy(t)")
+    if in_graph:
         raise NotYet("the copy is still part of the autograd graph (it requires grad)")
-    if not torch.equal(copy, values_before):
+    if not torch.equal(copy, values):
         raise NotYet("the copy does not hold t's values")
-    copy.mul_(0)
-    if not torch.equal(original.detach(), values_before):
+    if not torch.equal(original_after, values):
         raise NotYet("zeroing the copy in place changed the original: they share storage")
-    try:
-        (grad,) = torch.autograd.grad(original.sum(), source)
-    except RuntimeError as error:
-        raise NotYet(f"after editing the copy, the original's backward fails ({torch_error_clause(error)})") from None
-    expected = (values_before * (1 - values_before)).detach()
-    if not torch.allclose(grad, expected, rtol=0, atol=TOLERANCE):
+    if isinstance(backward, str):
+        raise NotYet(f"after editing the copy, the original's backward fails ({backward})")
+    if not torch.allclose(backward, values * (1 - values), rtol=0, atol=TOLERANCE):
         raise NotYet("after editing the copy, the original's gradient is wrong")
     return "the copy holds t's values outside the graph, and editing it leaves t and its backward intact"

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, Recorder, by_how_much, exercise
+from labkit.exercises import NotYet, Recorder, by_how_much, exercise, run_beside
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -54,6 +54,7 @@ UNLABELLED = -100  # F.cross_entropy's default ignore_index: these rows do not c
         ),
     ),
     planted="clip_grad_norm_ ran when .grad held no gradient",
+    answer_apart=True,
 )
 def check_clipped_step(clipped_step: Callable) -> str:
     """Three clipped steps must match SGD on this batch's clipped gradient, and report its norm."""
@@ -65,7 +66,7 @@ def check_clipped_step(clipped_step: Callable) -> str:
     for step, (x, y) in enumerate(batches, start=1):
         expected_norm, clipped_params, unclipped_params, stale_norm = _clip_reference(params, x, y, stale)
         before = [p.detach().clone() for p in model.parameters()]
-        reported = clipped_step(model, optimizer, F.mse_loss(model(x), y), MAX_NORM)
+        reported = run_beside(clipped_step, _step_on_the_loss, model, optimizer, x, y)
         _require_norm(reported, expected_norm, stale_norm, step)
         after = [p.detach() for p in model.parameters()]
         _require_clipped_update(after, before, clipped_params, unclipped_params, step)
@@ -74,6 +75,12 @@ def check_clipped_step(clipped_step: Callable) -> str:
         f"{STEPS} steps report the gradient norm before clipping and move the weights by the clipped "
         f"gradient, even with a stale gradient left in .grad"
     )
+
+
+def _step_on_the_loss(clipped_step: Callable, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      x: torch.Tensor, y: torch.Tensor) -> object:
+    """The answer's step on this batch's loss, made where the answer runs: a loss's graph does not cross."""
+    return clipped_step(model, optimizer, F.mse_loss(model(x), y), MAX_NORM)
 
 
 def _clip_fixture() -> tuple[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]]:

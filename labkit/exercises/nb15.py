@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, by_how_much, exercise
+from labkit.exercises import NotYet, by_how_much, exercise, run_beside
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -34,6 +34,13 @@ TOLERANCE = 1e-12
 
 class _CollectiveMismatch(Exception):
     """The ranks' collectives did not pair up (different counts or shapes)."""
+
+
+def _on_lockstep_ranks(average_gradients: Callable, replicas: list[nn.Module]) -> None:
+    """The answer on every replica at once, one thread-rank each, where the answer runs: the replicas'
+    gradients come back as they leave them."""
+    ranks = _LockstepRanks(WORLD_SIZE)
+    ranks.run(lambda rank: average_gradients(replicas[rank], ranks.all_reduce_sum_for(rank), WORLD_SIZE))
 
 
 class _LockstepRanks:
@@ -173,6 +180,7 @@ def _replicas_with_local_gradients() -> list[_Branching]:
     title="average gradients the way DDP does",
     hint=_COLLECTIVE_HINT,
     planted="the ranks' all_reduce_sum calls did not pair up",
+    answer_apart=True,
 )
 def check_average_gradients(average_gradients: Callable) -> str:
     """On three thread-ranks, one of which skips a layer, every rank must end with the mean gradient."""
@@ -180,8 +188,7 @@ def check_average_gradients(average_gradients: Callable) -> str:
     expected = _mean_gradients(replicas)
     local = [{name: p.grad.clone() for name, p in replica.named_parameters() if p.grad is not None}
              for replica in replicas]
-    ranks = _LockstepRanks(WORLD_SIZE)
-    ranks.run(lambda rank: average_gradients(replicas[rank], ranks.all_reduce_sum_for(rank), WORLD_SIZE))
+    run_beside(average_gradients, _on_lockstep_ranks, replicas)
     for rank, replica in enumerate(replicas):
         for name, parameter in replica.named_parameters():
             _require_not_local(parameter.grad, local[rank].get(name), name, rank)
