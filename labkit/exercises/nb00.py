@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, by_how_much, exercise
+from labkit.exercises import NotYet, by_how_much, exercise, run_beside
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -197,6 +197,7 @@ def _max_difference(first: list[torch.Tensor], second: list[torch.Tensor]) -> fl
         ),
     ),
     planted="holds the same tensor more than once",
+    answer_apart=True,
 )
 def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
     """Each returned gradient must be that of `torch.tanh(w * x).sum()` for its own x alone.
@@ -208,16 +209,11 @@ def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
     w_before = w.detach().clone()
     left_over = w.grad.clone()
     expected = [torch.autograd.grad(_per_call_loss(w, x), w)[0] for x in inputs]
-    differentiated = []  # one entry per backward pass or autograd.grad call that reached w
-    handle = w.register_hook(lambda grad: differentiated.append(True))
-    try:
-        grads = grad_of_each_call(w, inputs)
-    finally:
-        handle.remove()
+    grads, passes, distinct, by_autograd = run_beside(grad_of_each_call, _differentiated_calls, w, inputs)
     _require_tensor_list(grads, len(inputs))
     if not torch.equal(w.detach(), w_before):
         raise NotYet("your function changed the values of w", hint="only call backward; never update w here")
-    if len({id(grad) for grad in grads}) < len(grads):
+    if distinct < len(grads):
         raise NotYet(
             "your list holds the same tensor more than once: w.grad is one tensor that each backward pass adds into"
         )
@@ -232,7 +228,7 @@ def check_grad_of_each_call(grad_of_each_call: Callable) -> str:
         )
     for index, (got, want) in enumerate(zip(grads, expected)):
         _require_gradient(got, want, inputs[index], index)
-    _require_autograd(grads, len(differentiated))
+    _require_autograd(by_autograd, passes)
     return (
         f"each of the {len(inputs)} gradients matches torch.autograd.grad for its own call, "
         "even with an old gradient in w.grad"
@@ -262,13 +258,30 @@ def _require_tensor_list(grads: object, count: int) -> None:
             raise NotYet(f"entry {index} of your list is a {type(grad).__name__}, not a tensor")
 
 
-def _require_autograd(grads: list[torch.Tensor], passes: int) -> None:
+def _differentiated_calls(grad_of_each_call: Callable, w: torch.Tensor,
+                          inputs: list[torch.Tensor]) -> tuple[object, int, int | None, list[bool] | None]:
+    """Where the answer runs (a tensor's identity and graph do not cross): its gradients, how many backward
+    passes or autograd.grad calls reached w, how many distinct tensors the list holds, and which of them
+    carry a double-backward node."""
+    differentiated = []  # one entry per backward pass or autograd.grad call that reached w
+    handle = w.register_hook(lambda grad: differentiated.append(True))
+    try:
+        grads = grad_of_each_call(w, inputs)
+    finally:
+        handle.remove()
+    if not isinstance(grads, (list, tuple)):
+        return grads, len(differentiated), None, None
+    by_autograd = [isinstance(grad, torch.Tensor) and _differentiated_by_autograd(grad) for grad in grads]
+    return grads, len(differentiated), len({id(grad) for grad in grads}), by_autograd
+
+
+def _require_autograd(by_autograd: list[bool], passes: int) -> None:
     """A gradient autograd computed either reached w's hook (backward, autograd.grad) or carries a
     double-backward node (torch.func.grad); a formula written by hand does neither."""
-    if passes >= len(grads) or all(_differentiated_by_autograd(grad) for grad in grads):
+    if passes >= len(by_autograd) or all(by_autograd):
         return
     raise NotYet(
-        f"autograd differentiated through w {passes} time(s) for {len(grads)} inputs: your gradients come from a "
+        f"autograd differentiated through w {passes} time(s) for {len(by_autograd)} inputs: your gradients come from a "
         "formula written by hand (such as (1 - tanh(w * x) ** 2) * x), and the exercise asks autograd to do the "
         "calculus, which is what keeps working when the loss changes",
         hint=(

@@ -83,6 +83,20 @@ def check_entropy_term(entropy_term: Callable) -> str:
     return f"values and gradients match p*log(p) on {p.numel()} probabilities, finite at p == 0"
 
 
+def _scalar_output(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    output = model(inputs)
+    return F.mse_loss(output, torch.zeros_like(output)) if output.dim() > 0 else output
+
+
+def _walked_graph(unreachable_parameters: Callable, model: nn.Module, inputs: torch.Tensor) -> tuple[object, bool]:
+    """Where the answer runs (a graph does not cross): what it reports for the model's loss, and whether a
+    backward pass reached the loss meanwhile (backward or autograd.grad)."""
+    output = _scalar_output(model, inputs)
+    backward_ran = []
+    output.register_hook(lambda grad: backward_ran.append(True))
+    return unreachable_parameters(output, model), bool(backward_ran)
+
+
 _EDITED_SOURCE = [0.5, -1.0, 2.0]
 
 
@@ -175,19 +189,15 @@ class _FrozenAndUnused(nn.Module):
         ),
     ),
     planted="but the unreachable parameters are",
+    answer_apart=True,
 )
 def check_unreachable_parameters(unreachable_parameters: Callable) -> str:
     """Three models with known answers (from labkit's autograd_graph); backward must not run."""
     torch.manual_seed(0)
     inputs = torch.randn(6, 4)
     for model in (_DetachedMiddle(), _TwoHeads(), _FrozenAndUnused()):
-        output = model(inputs)
-        if output.dim() > 0:
-            output = F.mse_loss(output, torch.zeros_like(output))
-        expected = list(autograd_graph(output, model).unreachable_params)
-        backward_ran = []  # the hook fires when any backward pass (backward or autograd.grad) reaches the output
-        output.register_hook(lambda grad: backward_ran.append(True))
-        got = unreachable_parameters(output, model)
+        expected = list(autograd_graph(_scalar_output(model, inputs), model).unreachable_params)
+        got, backward_ran = run_beside(unreachable_parameters, _walked_graph, model, inputs)
         name = type(model).__name__.lstrip("_")
         if backward_ran or any(p.grad is not None for p in model.parameters()):
             raise NotYet(f"on the {name} model your function ran backward (autograd computed gradients)",

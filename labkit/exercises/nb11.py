@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from labkit.exercises import NotYet, exercise
+from labkit.exercises import NotYet, exercise, run_beside
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
 __all__: list[str] = []
@@ -123,11 +123,49 @@ def _comparison_cases(rounded, reference) -> list[tuple[str, dict, dict, bool]]:
         ),
     ),
     planted="no layer was captured",
+    answer_apart=True,
 )
 def check_compile_around(compile_around: Callable) -> str:
     """The excluded layer's weights must be in no captured graph, every other layer's in one; results equal eager."""
     model = _layers()
     eager = copy.deepcopy(model)
+    returned, graphs, in_graph, output, excluded, grads = run_beside(compile_around, _compiled_and_run, model)
+    if in_graph is None:
+        raise NotYet(f"compile_around returned a {returned}, not a module",
+                     hint="return a module (an nn.Sequential of the compiled and eager parts, say)")
+    x = _compile_input()
+    if not any(in_graph.values()):
+        raise NotYet(f"torch.compile captured {graphs} graph(s) and no layer was captured: the whole model "
+                     "ran eagerly")
+    if in_graph[EXCLUDED]:
+        raise NotYet(f"torch.compile still captured the excluded layer {EXCLUDED} ({excluded})")
+    missed = [index for index, inside in in_graph.items() if not inside and index != EXCLUDED]
+    if missed:
+        raise NotYet(f"layers {missed} ran eagerly too: only layer {EXCLUDED} should stay out of compilation")
+    eager_output = eager(x)
+    eager_output.sum().backward()
+    if not torch.equal(output.detach(), eager_output.detach()):
+        raise NotYet("the returned module's output differs from the original model's")
+    for (name, grad), eager_param in zip(grads, eager.parameters()):
+        if grad is None or not torch.equal(grad, eager_param.grad):
+            raise NotYet(f"the gradient of layer {name} differs from eager PyTorch's")
+    return (f"the captured graphs hold every layer but layer {EXCLUDED}, which ran eagerly, and the "
+            "output and gradients equal eager PyTorch's")
+
+
+EXCLUDED = 2
+
+
+def _compile_input() -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+
+
+def _compiled_and_run(compile_around: Callable, model: nn.Sequential) -> tuple:
+    """Where the answer runs (compiled graphs and modules do not cross), on a copy of the model (an answer may
+    swap its layers for compiled ones): the returned object's type, how many graphs torch.compile captured,
+    which layers' weights are in one (None when no module came back), the returned module's output on the
+    check's input, the excluded layer's type, and each parameter's gradient after a backward pass."""
+    model = copy.deepcopy(model)
     graphs: list[set[int]] = []
 
     def recording_backend(graph_module, example_inputs):
@@ -138,34 +176,14 @@ def check_compile_around(compile_around: Callable) -> str:
     torch.compiler.reset()
     returned = compile_around(model, EXCLUDED, lambda module: torch.compile(module, backend=recording_backend))
     if not isinstance(returned, nn.Module):
-        raise NotYet(f"compile_around returned a {type(returned).__name__}, not a module",
-                     hint="return a module (an nn.Sequential of the compiled and eager parts, say)")
-    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
-    output = returned(x)
+        return type(returned).__name__, len(graphs), None, None, None, None
+    output = returned(_compile_input())
     output.sum().backward()
     captured = set().union(*graphs)
     in_graph = {index: any(id(p) in captured for p in layer.parameters())
                 for index, layer in enumerate(model) if any(True for _ in layer.parameters())}
-    if not any(in_graph.values()):
-        raise NotYet(f"torch.compile captured {len(graphs)} graph(s) and no layer was captured: the whole model "
-                     "ran eagerly")
-    if in_graph[EXCLUDED]:
-        raise NotYet(f"torch.compile still captured the excluded layer {EXCLUDED} ({type(model[EXCLUDED]).__name__})")
-    missed = [index for index, inside in in_graph.items() if not inside and index != EXCLUDED]
-    if missed:
-        raise NotYet(f"layers {missed} ran eagerly too: only layer {EXCLUDED} should stay out of compilation")
-    eager_output = eager(x)
-    eager_output.sum().backward()
-    if not torch.equal(output.detach(), eager_output.detach()):
-        raise NotYet("the returned module's output differs from the original model's")
-    for (name, param), eager_param in zip(model.named_parameters(), eager.parameters()):
-        if param.grad is None or not torch.equal(param.grad, eager_param.grad):
-            raise NotYet(f"the gradient of layer {name} differs from eager PyTorch's")
-    return (f"the captured graphs hold every layer but layer {EXCLUDED}, which ran eagerly, and the "
-            "output and gradients equal eager PyTorch's")
-
-
-EXCLUDED = 2
+    grads = [(name, param.grad) for name, param in model.named_parameters()]
+    return type(returned).__name__, len(graphs), in_graph, output, type(model[EXCLUDED]).__name__, grads
 
 
 def _layers() -> nn.Sequential:

@@ -6,24 +6,23 @@ parent's nonce from the request pipe (fd 0) and write a passing line to every op
 ``answer_apart=True`` runs its answer in a process of its own (`labkit._answer_process`): there the answer
 finds neither the nonce nor any descriptor the parent reads, nor the check's frames, and what it patches is
 not where the verdict is written. Those tests pass, and fail on the code before that process existed (both
-forgeries passed a wrong answer). An exercise whose check still shares the answer's process (00.2: its
-check counts backward passes with a hook on the answer's tensor and reads the autograd graph of what the
-answer returned, neither of which crosses a process boundary) and the labs stay forgeable: the strict xfail
-keeps that in sight until they move too. One grading process each, no kernel.
+forgeries passed a wrong answer). Every exercise runs its answer apart; a lab's answer still shares the grading
+process with its check (its repair is a stage the check trains with): the strict xfail keeps that in sight. One grading process each, no kernel.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from labkit import grading
+from labkit import exercises, grading
+from labkit.labs._draw import learner_key
 
 pytestmark = pytest.mark.timeout(600, method="thread")
 
-# An exercise graded with its answer apart (00.1, one SGD step), and one whose answer still shares the
-# grading process with its check (00.2).
+# An exercise graded with its answer apart (00.1, one SGD step), and a lab, whose answer still shares the
+# grading process with its check.
 APART = ("00.1", "one_training_step")
-SHARED = ("00.2", "grad_of_each_call")
+SHARED = ("00.lab", "diagnose")
 
 # Reads the nonce the parent left in the request pipe, writes a passing verdict line to every open pipe, exits.
 THROUGH_THE_PIPES = """# exercise EXERCISE
@@ -88,11 +87,18 @@ def test_an_answer_apart_finds_no_frame_of_its_check():
     assert "run_check" not in result.message and "check_one_training_step" not in result.message, result.message
 
 
+def test_every_exercise_grades_its_answer_apart():
+    shared = [exercise_id for exercise_id, spec in exercises.registry().items() if not spec.answer_apart]
+    assert shared == [], f"exercises whose answer shares the grading process with its check: {shared}"
+
+
 @pytest.mark.trial("extra")
-@pytest.mark.xfail(strict=True, reason="issue #42 (b): 00.2's answer still shares the grading process with its check")
+@pytest.mark.xfail(strict=True, reason="issue #42 (b): a lab's answer still shares the grading process with its check")
 @pytest.mark.parametrize("answer", [THROUGH_THE_PIPES, THROUGH_THE_ENCODER], ids=["pipes", "encoder"])
-def test_an_answer_beside_its_check_cannot_write_its_own_verdict(answer):
-    result = grading.grade_cell(SHARED[0], forging(answer, SHARED), SHARED[1])
+def test_a_lab_answer_cannot_write_its_own_verdict(answer):
+    from labkit.labs._isolated import grade_lab_cell
+
+    result = grade_lab_cell("00", forging(answer, SHARED), SHARED[1], learner_key(learner="learner0"))
     assert not result.passed, result.message
 
 
