@@ -194,15 +194,9 @@ claims.check(
         else "partly" if graph_as_claimed or any(details_as_claimed)
         else "does-not-hold"
     ),
-    evidence=(
-        f"the graph holds {len(graph.nodes)} nodes ({', '.join(sorted(n.name for n in graph.nodes))}) linked by "
-        f"next_functions, and backward ran them {'output-first' if walked_in_reverse else 'in another order'} "
-        f"({' -> '.join(order)}). But y held {value_before_backward} before backward, so the arithmetic "
-        f"{'was' if deferred else 'was not'} deferred; walking from x*w reaches {len(reached_from_product)} "
-        f"nodes, {'none of them' if one_way else 'among them'} its user, so the links run "
-        f"{'one way only' if one_way else 'both ways'}; and a built-in node "
-        f"{'is' if builtin_is_functionbase else 'is not'} a torch._C._FunctionBase (appendix: A1's node classes)"
-    ),
+    measured={"as claimed": {"graph": graph_as_claimed, "walked in reverse": walked_in_reverse, "arithmetic deferred": deferred,
+                             "links both ways": not one_way, "nodes are torch._C._FunctionBase": builtin_is_functionbase},
+              "y before backward": value_before_backward},
 )
 
 # %% [markdown]
@@ -256,17 +250,9 @@ for label, make_copy in (("detach()", lambda t: t.detach()), ("clone().detach()"
 both_cut = all(not t.requires_grad and t.grad_fn is None for t in (detached, cloned))
 detach_breaks = results_a6["detach()"][2] != "backward ran"
 clone_safe = results_a6["clone().detach()"][2] == "backward ran"
-claims.check(
-    "A6",
-    verdict="partly" if both_cut and detach_breaks and clone_safe else "does-not-hold",
-    evidence=(
-        f"both copies have requires_grad=False and no grad_fn, so neither passes gradient: {both_cut}. After an "
-        f"in-place edit of the copy, the original changed with detach(): {results_a6['detach()'][0]} (version "
-        f"{results_a6['detach()'][1]}, {results_a6['detach()'][2]}); with clone().detach(): "
-        f"{results_a6['clone().detach()'][0]} (version {results_a6['clone().detach()'][1]}, "
-        f"{results_a6['clone().detach()'][2]})"
-    ),
-)
+claims.check("A6", verdict="partly" if both_cut and detach_breaks and clone_safe else "does-not-hold", measured={
+    "after an in-place edit of the copy, the original's version": {label: version for label, (_, version, _) in results_a6.items()},
+    "backward": {label: outcome for label, (_, _, outcome) in results_a6.items()}, "both copies cut from the graph": both_cut})
 
 # %% [markdown]
 # **The fix**: use `detach()` to read values cheaply (logging, targets); use
@@ -385,16 +371,9 @@ print(f"fixed: {len(fixed_graph.unreachable_params)} unreachable parameters, "
 cut_model = DigitsMLP(hidden, detach_first_block=True).to(dev, torch.float64)
 cut_loss = F.cross_entropy(cut_model(digits.x_train.double()), digits.y_train)
 cut_names = list(autograd_graph(cut_loss, cut_model).unreachable_params)
-claims.check(
-    "A7",
-    verdict="partly" if cut_names and not fixed_graph.unreachable_params else "does-not-hold",
-    evidence=(
-        f"the diagnostic idea holds: with detach() after the first block, {len(cut_names)} parameters "
-        f"({', '.join(cut_names)}) are unreachable from the loss, get no gradient and never move; without "
-        f"it, {len(fixed_graph.unreachable_params)}. The article's drawing of the cut does not match what "
-        "torchviz draws (appendix: A7's drawing): look for a missing parameter, not a missing arrow"
-    ),
-)
+claims.check("A7", verdict="partly" if cut_names and not fixed_graph.unreachable_params else "does-not-hold", measured={
+    "cut off by detach()": cut_names or "none", "unreachable without it": len(fixed_graph.unreachable_params)},
+    note="the article's drawing does not match what torchviz draws (appendix: A7's drawing)")
 
 # %% [markdown]
 # ## Case A8: gradients as products of per-layer factors
@@ -488,15 +467,10 @@ claims.check(
     verdict=("holds" if gaussian_gain > 0.5 * spectral_product else "partly")
     if arithmetic_right and tanh_follows_product and spectral_is_exact
     else "does-not-hold",
-    evidence=(
-        f"the arithmetic is right (0.9^10 = {0.9**10:.3f}, 2.5^10 = {2.5**10:.0f}). Through {depth} tanh layers "
-        f"the gain was {tanh_norms[-1]:.3f}, within {abs(tanh_norms[-1] / tanh_predicted - 1):.1%} of the product "
-        f"of the layers' tanh' RMS ({tanh_predicted:.3f}); those factors rose from {tanh_local[0]:.2f} to "
-        f"{tanh_local[-1]:.2f}, so 0.9^{depth} = {tanh_product:.3f} overstates the decay. Spectral norm 2.5 gives "
-        f"2.5^{depth} = {aligned_gain:.0f} only when every singular value is 2.5; Gaussian weights with the same "
-        f"spectral norm gave {gaussian_gain:.3g} ({gaussian_gain / spectral_product:.2g} of 2.5^{depth}): the spectral-norm "
-        "product is an upper bound"
-    ),
+    measured={"Gaussian weights of spectral norm 2.5: gain / 2.5^depth": gaussian_gain / spectral_product,
+              "gain through the stack": {"tanh": tanh_norms[-1], "2.5 x orthogonal": aligned_gain, "layers": depth},
+              "products": {"tanh' RMS": tanh_predicted, "0.9^depth": tanh_product, "2.5^depth": spectral_product}},
+    rule="partly if the claim's arithmetic is right and the stacks follow their products; holds if Gaussian weights reach half",
 )
 
 # %% [markdown]
@@ -553,17 +527,8 @@ print("gradient:", points.grad.tolist())
 
 # %%
 blocked = chosen.grad.tolist() == [1.0, 0.0, 1.0] and other.grad.tolist() == [0.0, 1.0, 0.0]
-claims.check(
-    "A9",
-    verdict="partly" if blocked and nan_grads else "holds" if blocked else "does-not-hold",
-    evidence=(
-        f"where sent the branches the gradients {chosen.grad.tolist()} and {other.grad.tolist()} (each only where "
-        f"selected: {blocked}), so it cuts flow to the unselected branch; but that branch still runs its backward, "
-        f"and where(x > 0, sqrt(x), 0) gave NaN gradient at {nan_grads} of {points.numel()} points (x = "
-        f"{', '.join(f'{v:g}' for v in nan_points)}) because 0 times an "
-        "infinite or NaN local derivative is NaN; clamping the branch's input first gives finite gradients"
-    ),
-)
+claims.check("A9", verdict="partly" if blocked and nan_grads else "holds" if blocked else "does-not-hold", measured={
+    "each branch gets gradient only where selected": blocked, "where(x > 0, sqrt(x), 0): NaN gradient at x": nan_points or "none"})
 
 # %% [markdown]
 # ## Summary
@@ -834,7 +799,6 @@ print(f"pixels inside some window: {pixels_covered} of 64; rows/columns never in
 
 # %%
 settings = [(3, 3, 8), (3, 3, 9), (3, 2, 8), (2, 2, 8)]
-outside_windows = {}
 print("kernel stride size  pixels in a window  gradient lost")
 for kernel, stride, size in settings:
     inputs = torch.randn(1, 1, size, size, dtype=torch.float64, requires_grad=True)
@@ -842,7 +806,6 @@ for kernel, stride, size in settings:
     upstream = torch.arange(1, pooled.numel() + 1, dtype=torch.float64).reshape(pooled.shape)
     (grad_in,) = torch.autograd.grad(pooled, inputs, upstream)
     inside = int(window_coverage(size, kernel, stride).sum()) ** 2
-    outside_windows[kernel, stride, size] = size * size - inside
     print(f"{kernel:>6} {stride:>6} {size:>4}  {inside:>7} of {size * size:<3}       {(upstream.sum() - grad_in.sum()).item():.0f}")
 
 
@@ -922,26 +885,11 @@ def a3_verdict(checks):
 cpu_misrouted = gradient_lost != 0 or not torch.equal(received, by_hand)
 if dev.type == "cuda":
     a3_checks, a3_kernel = [(stride, lost != 0 or not same) for _, _, stride, lost, same in cuda_pool_checks], "CUDA"
-    kernel_result = (f"on {len(a3_checks)} poolings (8x8 digits, 255x255 and 1024x1024, strides 2 and 3) the CUDA "
-                     f"kernel lost or misrouted gradient in {sum(bad for _, bad in a3_checks)}; on the CPU ")
 else:
-    a3_checks, a3_kernel, kernel_result = [(pool_stride, cpu_misrouted)], "CPU", "the CUDA kernel was not run here; "
-claims.check(
-    "A3",
-    verdict=a3_verdict(a3_checks),
-    device_dependent=True,
-    evidence=(
-        f"decided by the {a3_kernel} kernel: {kernel_result}"
-        f"with kernel {pool_kernel} and stride {pool_stride} on 8x8 digits, PyTorch's CPU kernel lost "
-        f"{gradient_lost:.0f} of the output gradient and routed it to the arg-max positions exactly "
-        f"({not cpu_misrouted}). What is real: "
-        f"{64 - pixels_covered} of 64 pixels lie in no window, so they never affect the output and rightly get "
-        f"zero gradient (they hold {ink_outside(covered):.0%} of the ink); kernel 3 with stride 2 on 8x8 leaves "
-        f"{outside_windows[3, 2, 8]} such pixels too, while kernel 3 with stride 3 on 9x9 leaves "
-        f"{outside_windows[3, 3, 9]}. It is the window fit, not the stride; ceil_mode=True covers "
-        f"{int(fixed_covered.sum()) ** 2} of 64"
-    ),
-)
+    a3_checks, a3_kernel = [(pool_stride, cpu_misrouted)], "CPU"
+claims.check("A3", verdict=a3_verdict(a3_checks), device_dependent=True, measured={
+    "poolings that lost or misrouted gradient": f"{sum(bad for _, bad in a3_checks)} of {len(a3_checks)}", "deciding kernel": a3_kernel,
+    "digit pixels in no window, of 64": 64 - pixels_covered, "the ink they hold": f"{ink_outside(covered):.0%}"})
 
 # %% [markdown]
 # ### Case A5: does `torch.stack` sum the gradient along its new dimension?
@@ -971,17 +919,8 @@ print("against slices of the upstream gradient:\n" + str(as_slices))
 print("against the sum over the new dimension:\n" + str(as_sums))
 
 # %%
-claims.check(
-    "A5",
-    verdict="partly" if as_slices.all_exact and not as_sums.all_close else "holds",
-    evidence=(
-        f"cat's and stack's inputs each got their own slice of the upstream gradient, exactly, in all "
-        f"{len(as_slices.rows)} comparisons: {as_slices.all_exact}; stack's gradients differ from the sum over its "
-        f"new dimension by up to {max(r.max_abs_diff for r in as_sums.rows):.2f}, so its backward "
-        + ("selects, as cat's does, and does not sum" if as_slices.all_exact and not as_sums.all_close
-           else "is not the slicing cat's is")
-    ),
-)
+claims.check("A5", verdict="partly" if as_slices.all_exact and not as_sums.all_close else "holds", measured={
+    "inputs got their slices exactly": as_slices.all_exact, "stack: max |grad - sum over new dim|": max(r.max_abs_diff for r in as_sums.rows)})
 
 # %% [markdown]
 # ### Case A10: can Python only watch the backward pass?
@@ -1031,15 +970,8 @@ print(compare_grads({"clip hook": clipped_grad, "reversal": reversed_grad}, {"cl
 # %%
 reversal_exact = torch.equal(reversed_grad, -plain_grad)
 hook_changed = not torch.equal(clipped_grad, plain_grad)
-claims.check(
-    "A10",
-    verdict="does-not-hold" if hook_changed and reversal_exact else "holds",
-    evidence=(
-        f"a tensor hook that returns a clipped gradient changed w.grad from {plain_grad.tolist()} to "
-        f"{clipped_grad.tolist()}, and a custom autograd.Function reversed it exactly ({reversal_exact}); "
-        "Python can rewrite gradients during backward (hooks, custom Functions, node hooks)"
-    ),
-)
+claims.check("A10", verdict="does-not-hold" if hook_changed and reversal_exact else "holds", measured={
+    "w.grad, plain -> with a clipping hook": f"{plain_grad.tolist()} -> {clipped_grad.tolist()}", "reversal Function exact": reversal_exact})
 
 # %% [markdown]
 # ### Case A4: does anomaly detection cost about 30 %?
@@ -1152,18 +1084,9 @@ if timings_too_noisy:
     a4_verdict = "untestable"
 else:
     a4_verdict = "holds" if all(near_thirty) else "partly" if any(near_thirty) else "does-not-hold"
-claims.check(
-    "A4",
-    verdict=a4_verdict,
-    evidence=(
-        (f"timings too noisy to decide (largest spread {max(spreads):.0%}, limit {TOO_NOISY:.0%}); " if timings_too_noisy else "")
-        + f"on {dev.type}, anomaly mode made a training step {ratios['tiny']:.2f}x slower on a tiny MLP (width 32) "
-        f"and {ratios['wider']:.2f}x on a wider one (width {sizes['wider'][0]}); the cost is per operation (a "
-        f"stored forward traceback on each of the {with_traceback} op nodes, a NaN check on every backward "
-        "output), so it is not a fixed percentage"
-    ),
-    device_dependent=True,
-)
+claims.check("A4", verdict=a4_verdict, device_dependent=True, measured={
+    "slowdown with anomaly mode": {f"width {width}": f"{ratios[label]:.2f}x" for label, (width, _) in sizes.items()},
+    "largest timing spread": f"{max(spreads):.0%}"}, rule=f"holds if each is 1.15-1.5x, partly if one is; untestable over {TOO_NOISY:.0%} spread")
 
 # %% [markdown]
 # **The fix**: anomaly mode is a debugging switch, not a training setting. Turn it on around the
@@ -1233,25 +1156,11 @@ if dev.type == "cuda":
     print(f"eager:    {eager_nodes} nodes, {eager_time}")
     print(f"compiled: {compiled_nodes} nodes, {compiled_time}")
     a2 = a2_verdict(eager_nodes, compiled_nodes, slowdown, timing_spread)
-    claims.check(
-        "A2",
-        verdict=a2,
-        evidence=(
-            f"compile cut the autograd graph from {eager_nodes} to {compiled_nodes} nodes and the step time "
-            f"ratio compiled/eager was {slowdown:.2f} ({compiled_time.median_s * 1e3:.3g} ms vs "
-            f"{eager_time.median_s * 1e3:.3g} ms, spread up to {timing_spread:.0%}): "
-            + {"partly": "fewer nodes came with a step slower beyond that spread here",
-               "does-not-hold": "fewer nodes did not come with a step slower beyond that spread here",
-               "untestable": "timings that spread over 25% cannot decide"}[a2]
-            + "; the L2-miss explanation was not measured"
-        ),
-    )
+    claims.check("A2", verdict=a2, measured={
+        "step time, compiled / eager": slowdown, "autograd nodes": {"eager": eager_nodes, "compiled": compiled_nodes},
+        "largest timing spread": f"{timing_spread:.0%}"}, note="the L2-miss explanation is not measured")
 else:
-    claims.check(
-        "A2",
-        verdict="needs-gpu",
-        evidence="a GPU step-time claim: the eager vs torch.compile timing runs only when a CUDA device is present",
-    )
+    claims.check("A2", verdict="needs-gpu", note="a GPU step-time claim: the eager vs torch.compile timing needs a CUDA device")
 
 # %% [markdown]
 # ## Appendix: more claims about the article's wording
@@ -1338,16 +1247,8 @@ print("gradient for w alone ran:", only_w)
 
 # %%
 meta_graph_same = len({tuple(v) for v in names_per_device.values()}) == 1
-claims.check(
-    "A1b",
-    verdict="does-not-hold" if meta_graph_same and len(only_b) < len(graph.nodes) else "partly",
-    evidence=(
-        f"the same {len(names_per_device['meta'])}-node graph is built on the meta device, which has no data, "
-        f"no driver and runs no kernels; it is a host-side object graph. The engine picks the nodes per call: "
-        f"a gradient for b alone ran {len(only_b)} of {len(graph.nodes)} nodes, one for w alone {len(only_w)}. "
-        "How CUDA cores schedule a kernel's threads is decided by the GPU, not by this graph"
-    ),
-)
+claims.check("A1b", verdict="does-not-hold" if meta_graph_same and len(only_b) < len(graph.nodes) else "partly", measured={
+    "same graph on meta (no data, no kernels)": meta_graph_same, "nodes run for b's gradient": f"{len(only_b)} of {len(graph.nodes)}"})
 
 # %% [markdown]
 # ### Case A1c: does recording the graph generate kernels with a JIT compiler?
@@ -1403,16 +1304,8 @@ only_aten_ops = all(entry.startswith("aten.") for entry in logged_ops)
 ran_in_line_order = forward_entries == [
     "aten.mul.Tensor", "--- line 1 done: product = x * w", "aten.add.Tensor", "--- line 2 done: y = product + b",
 ]  # fmt: skip
-claims.check(
-    "A1c",
-    verdict="does-not-hold" if ran_in_line_order and only_aten_ops else "partly",
-    evidence=(
-        f"in eager mode the forward dispatched {len(forward_ops)} prebuilt aten kernels, each while its own "
-        f"Python line ran (in line order: {ran_in_line_order}), and all {len(logged_ops)} operator calls of forward "
-        f"and backward were aten operators ({only_aten_ops}); recording only added graph nodes, no compilation or "
-        "kernel-generation step ran in this eager run"
-    ),
-)
+claims.check("A1c", verdict="does-not-hold" if ran_in_line_order and only_aten_ops else "partly", measured={
+    "kernels in forward": len(forward_ops), "run in line order": ran_in_line_order, "aten ops only, backward too": only_aten_ops})
 
 # %% [markdown]
 # ### A7's drawing: torchviz's arrows

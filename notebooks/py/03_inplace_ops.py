@@ -219,17 +219,9 @@ for label, hidden in (("Linear", x @ w1), ("tanh", torch.tanh(x @ w1))):
 # %%
 relu_patterns = [name for name in PATTERNS if ".data" not in name]
 kinds = [outcomes[name][0] for name in relu_patterns]
-data_kind, data_detail = outcomes["relu_ via .data, z saved"]
-claims.check(
-    "C1",
-    verdict="holds" if "wrong" in kinds else "does-not-hold",
-    evidence=(
-        f"of {len(relu_patterns)} in-place relu_ patterns, {kinds.count('same')} gave bit-identical float64 "
-        f"gradients and {kinds.count('raises')} raised RuntimeError (version counter or leaf check); "
-        f"{kinds.count('wrong')} were silently wrong. The only silent corruption came from writing through "
-        f".data ({data_kind}, {data_detail}), which bypasses the version counter"
-    ),
-)
+data_detail = outcomes["relu_ via .data, z saved"][1]
+claims.check("C1", verdict="holds" if "wrong" in kinds else "does-not-hold", measured={
+    "in-place relu_": {kind: kinds.count(kind) for kind in ("same", "raises", "wrong")}, "relu_ via .data": data_detail})
 
 # %% [markdown]
 # **The fix, proven.** Rectify out of place where a backward saved the tensor, and never write
@@ -367,19 +359,12 @@ print(f"eps=1e-05: finite at every step: {fixed_finite}; div_ and div identical:
 
 # %%
 without_eps = train_with_layer_norm(False, 0.0, "div, eps=0") if not bug else out_of_place_run
-nan_without_eps = without_eps[1]
-nan_text = "no NaN" if nan_without_eps is None else (
-    f"NaN from step {nan_without_eps[0]} ({nan_without_eps[1]} zero-variance rows in that batch)")
 claims.check(
     "C2",
     verdict="does-not-hold" if saved_outcome != "backward ran" and identical_runs and fixed_finite else "partly",
-    evidence=(
-        f"div_ on a saved tensor raised at the first backward ({saved_outcome.split(':')[0]}); div_ on an unsaved "
-        f"tensor gave bit-identical gradients to div and matched F.layer_norm (gradcheck {gradcheck_passes}). "
-        f"Trained {norm_steps} steps with eps={repro_eps:g}, div_ and div had identical losses. Without eps: "
-        f"{nan_text}; with eps=1e-5 both stayed finite ({fixed_finite})"
-    ),
-)
+    measured={"div_ and div: same loss every step": identical_runs, "div_ on a saved tensor": saved_outcome.split(":")[0],
+              "finite with eps": fixed_finite, "first NaN step without eps": without_eps[1][0] if without_eps[1] else "none"},
+    rule="does not hold if div_ raises on a saved tensor, trains as div does and stays finite with eps")
 
 # %% [markdown]
 # ## Case C3: does `fill_diagonal_` on a `cdist` output cut the gradient and collapse the embeddings?
@@ -559,24 +544,13 @@ print(f"final between-class cosine: batch-hard {hard_cos:.3f}, batch-all {all_co
 # Averaging over all violating triplets keeps pushing the classes apart.
 
 # %%
-hard_losses, hard_cosines, hard_std = runs["batch-hard, diag_embed"]
 collapsed = hard_cos > 0.95
-std_drop = hard_std[0] / hard_std[-1]
 # The claimed mechanism: fill_diagonal_ runs and silently changes the gradients the other variants agree on.
 mechanism_seen = fill_outcome == "backward ran" or not (diagonal_report.all_exact and same_hard_runs)
 c3_verdict = {(True, True): "holds", (False, False): "does-not-hold"}.get((collapsed, mechanism_seen), "partly")
-claims.check(
-    "C3",
-    verdict=c3_verdict,
-    evidence=(
-        f"fill_diagonal_ on the cdist output raised at the first backward ({fill_outcome.split(':')[0]}), so it cannot "
-        f"silently sever anything; clone+fill_diagonal_, masked_fill and diag_embed gave bit-identical gradients "
-        f"(exact: {diagonal_report.all_exact}). The collapse symptom is real but comes from batch-hard mining: with the "
-        f"diag_embed 'fix' the between-class cosine went {hard_cosines[0][1]:.3f} -> {hard_cos:.3f} and the first-layer "
-        f"grad std fell {std_drop:.1f}x ({hard_std[0]:.2g} -> {hard_std[-1]:.2g}) in {triplet_steps} steps, identically "
-        f"with masked_fill; batch-all triplets ended at cosine {all_cos:.3f}"
-    ),
-)
+claims.check("C3", verdict=c3_verdict, measured={"fill_diagonal_ on the cdist output": fill_outcome.split(":")[0],
+    "the other diagonals agree exactly": diagonal_report.all_exact and same_hard_runs,
+    "final between-class cosine (collapse: above 0.95)": {"batch-hard": hard_cos, "batch-all": all_cos}})
 
 # %% [markdown]
 # **The fix, proven.** Two fixes for two problems: zero the diagonal out of place (any of the three
@@ -665,21 +639,10 @@ for setting, (dtype, options) in SETTINGS.items():
 
 # %%
 recipe_wrong, recipe_correct, recipe_slight = gradcheck_table[ARTICLE_RECIPE]
-wrong, correct, slightly_off = gradcheck_table["float64, defaults"]
 catches_gross = recipe_wrong == 0 and recipe_correct == GRADCHECK_DRAWS
 catches_slight = catches_gross and recipe_slight == 0
-of = f"of {GRADCHECK_DRAWS} draws"
-claims.check(
-    "C4",
-    verdict="holds" if catches_slight else "partly" if catches_gross else "does-not-hold",
-    evidence=(
-        f"the article's recipe (float32, eps=atol=rtol=1e-3) passed the missing-factor-2 backward in {recipe_wrong} "
-        f"{of}, the correct one in {recipe_correct}, the {slight_error:.1%}-too-large one in {recipe_slight}; float32 "
-        f"with gradcheck's defaults passed the correct backward in {gradcheck_table['float32, defaults'][1]}; "
-        f"float64 with defaults: missing factor {wrong}, correct {correct}, {slight_error:.1%} error {slightly_off}, "
-        f"and with rtol=1e-7 the {slight_error:.1%} error {gradcheck_table['float64, rtol=1e-7'][2]}"
-    ),
-)
+claims.check("C4", verdict="holds" if catches_slight else "partly" if catches_gross else "does-not-hold", measured={
+    "draws the article's recipe passed": dict(zip(BACKWARDS, gradcheck_table[ARTICLE_RECIPE])), "input draws": GRADCHECK_DRAWS})
 claims.metric("c4_recipe_catches_slight_error", catches_slight)
 
 # %% [markdown]
@@ -770,18 +733,8 @@ print(f"running_mean finite after that train step: {bool(train_norm.running_mean
 # non-finite too. So this is "NaN in train mode, then in eval mode as well", not "fine in eval mode".
 
 # %%
-claims.check(
-    "C5",
-    verdict="does-not-hold" if bn_report.all_close else "partly",
-    evidence=(
-        f"two train-mode forwards and one backward under detect_anomaly raised nothing, and the gradients matched a "
-        f"hand-written batch norm (allclose at rtol=1e-10: {bn_report.all_close}). Real failures: a batch "
-        f"of one: {single_outcome.split(':')[0]}; identical samples give outputs below 1e-9 in size ({largest_identical_out < 1e-9}) "
-        f"and gradients scaled by 1/sqrt(eps) = {1 / math.sqrt(same_norm.eps):.0f}x; one inf turns {train_bad} of 64 train-mode outputs non-finite "
-        f"(eval mode: {eval_bad}) and leaves NaN running statistics ({after_bad} of 64 later eval outputs non-finite: "
-        f"that channel of every sample)"
-    ),
-)
+claims.check("C5", verdict="does-not-hold" if bn_report.all_close else "partly", measured={
+    "two train-mode forwards, one backward: gradients as hand-written (rtol=1e-10)": bn_report.all_close})
 
 
 # %% [markdown]
