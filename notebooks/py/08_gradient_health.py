@@ -356,15 +356,10 @@ print("tracer norm == .grad norm before the step:", all(math.isclose(r["norm"], 
 # %%
 fires_once_per_pass = set(calls.values()) == {micro_batches}
 sees_final_grad = all(last_reading[n][0] == final_norms[n] for n in final_norms)
-claims.check(
-    "L2",
-    verdict="holds" if fires_once_per_pass and sees_final_grad else "does-not-hold",
-    evidence=(
-        f"with {micro_batches} backward passes per step the hook fired {micro_batches} times per parameter, and its "
-        f"last reading equals the final .grad exactly; reading every parameter from every hook made {total_reads} "
-        f"reads per pass, {stale_reads} of them before that parameter had its gradient"
-    ),
-)
+claims.check("L2", verdict="holds" if fires_once_per_pass and sees_final_grad else "does-not-hold",
+             measured={"hook calls per parameter": sorted(set(calls.values())), "backward passes": micro_batches,
+                       "last reading is the final .grad": sees_final_grad},
+             rule="holds: one call per backward pass, the last one sees the final .grad")
 
 # %% [markdown]
 # ## Case L1: do gradient statistics warn 200–500 steps before the loss?
@@ -776,6 +771,11 @@ for label, seconds in (("plain step", plain.median_s), ("with GradTracer", trace
 # run. The evidence carries the measured cost, so this cell's output is a timing and is ignored by nbval.
 
 # %% tags=["nbval-ignore-output"]
+def shown(value):
+    """A step or a count, or "none" where there is none (a record holds no None)."""
+    return "none" if value is None else value
+
+
 def l1_verdict(loss_step, parting_step, first_reading_alert, warning_step):
     """The verdict, the lead and the most lead the experiment allows (None where a step is None)."""
     lead_cap = None if loss_step is None or parting_step is None else loss_step - max(parting_step, first_reading_alert)
@@ -791,26 +791,12 @@ first_reading_alert = (monitor.window - 1) * log_interval
 parting_step = next((step for step in range(steps) if warmup_lr(step, not bug) != warmup_lr(step, True)), None)
 verdict, lead, lead_cap = l1_verdict(loss_step, parting_step, first_reading_alert,
                                      first_warning[0] if first_warning else None)
-claims.metric("l1_lead", "none" if lead is None else lead)
-claims.metric("l1_lead_cap", "none" if lead_cap is None else lead_cap)
-claims.check(
-    "L1",
-    verdict=verdict,
-    device_dependent=True,
-    evidence=(
-        f"on a {steps}-step warm-up run whose learning rate grows {lr_growth:g}x per step "
-        f"{'without a cap' if bug else f'up to {lr_cap:g}'}, the loss alarm went off at step {loss_step}; the run "
-        f"parted from its twin capped at {lr_cap:g} at step {parting_step}, so the experiment caps any lead at "
-        f"{lead_cap} steps; the article's monitor (log every {log_interval} steps, alert at "
-        f"{alert_factor:g}x) first alerted at step {first_alert[0] if first_alert else None}, but {shared} of its "
-        f"{len(before_loss)} alerts before the loss alarm were raised by the capped healthy twin too; its first "
-        f"alert the twin did not share came at step {first_warning[0] if first_warning else None} (lead "
-        f"{lead} steps, against the claimed 200-500); on a NaN batch followed by a 100x batch it raised "
-        f"{len(blind_monitor.alerts)} alerts where the tracer flagged steps {tracer_kinds['nonfinite']} (non-finite) "
-        f"and {tracer_kinds['exploding']} (exploding), and it skipped an unused layer; measured cost in this run: "
-        f"{monitor_cost:.2f}x a plain step, against {tracer_cost:.2f}x for GradTracer"
-    ),
-)
+claims.metric("l1_lead", shown(lead))
+claims.metric("l1_lead_cap", shown(lead_cap))
+claims.check("L1", verdict=verdict, device_dependent=True,
+             measured={"lead on the loss alarm (steps)": shown(lead), "most lead the run allows": shown(lead_cap),
+                       "cost per step, x plain": {"monitor": monitor_cost, "GradTracer": tracer_cost}},
+             rule="holds: the first warning the twin did not share leads by 200+ steps; untestable: room under 200")
 
 # %% [markdown]
 # **The fix, proven.** Cap the warm-up (`bug=False` in the parameters cell): the capped twin above
@@ -890,17 +876,10 @@ for label, (model, layer_name) in suspects.items():
 
 # %%
 dropout_std = bias_stats[0.5]["std"]
-claims.check(
-    "L3",
-    verdict="does-not-hold" if dropout_std > 0 and bias_stats[0.5]["zero_frac"] == 0 else "holds",
-    evidence=(
-        f"with Dropout(0.5) in front, fc.bias's gradient std was {dropout_std:.2g} (no zero entries; "
-        f"{bias_stats[0.0]['std']:.2g} without dropout), and it equals the batch sum of the output gradient "
-        f"exactly, which no input mask enters; std 0 comes from a BatchNorm after the layer "
-        f"({suspect_std['Linear -> BatchNorm1d']}) or all units dead ({suspect_std['Linear -> all-dead ReLU']}); "
-        f"a one-entry bias gives {suspect_std['single-entry bias']}"
-    ),
-)
+claims.check("L3", verdict="does-not-hold" if dropout_std > 0 and bias_stats[0.5]["zero_frac"] == 0 else "holds",
+             measured={"fc.bias grad std, Dropout(0.5) in front": dropout_std, "std without it": bias_stats[0.0]["std"],
+                       "zero entries": f"{bias_stats[0.5]['zero_frac']:.0%}", "std of the other suspects": suspect_std},
+             rule="does not hold when the std is above 0 and no entry is 0")
 
 # %% [markdown]
 # **The fix.** A zero bias-gradient std points *downstream*: a normalisation that makes the bias
@@ -1220,20 +1199,10 @@ anecdote_half = misaligned_decoder < 1e-6 <= aligned_decoder
 l4_halves = (instrument_half, anecdote_half)
 claims.metric("l4_instrument_half", instrument_half)
 claims.metric("l4_anecdote_half", anecdote_half)
-claims.check(
-    "L4",
-    verdict="holds" if all(l4_halves) else "partly" if any(l4_halves) else "does-not-hold",
-    evidence=(
-        f"in the tour's patient {len(near_zero_layers)} parameters had mean |grad| below 1e-6 at step "
-        f"{patient_last_full} ({', '.join(near_zero_layers) or 'none'}), flagged as vanishing and drawn: "
-        f"{instrument_half}. A small U-Net's raw 16-channel skip without its 1x1 alignment "
-        + ("ran" if misaligned_error is None else f"raised {type(misaligned_error).__name__} at the decoder's first conv")
-        + f"; with the skip's channels reversed after training, the decoder's smallest mean |grad| at step 20 was "
-        f"{misaligned_decoder:.1e} against {aligned_decoder:.1e} for the aligned control "
-        f"({'below' if misaligned_decoder < 1e-6 else 'not below'} 1e-6), final loss {misaligned_loss:.4f} against "
-        f"{aligned_loss:.4f}; a decoder sized for the raw skip (an ordinary U-Net skip) had {widened_decoder:.1e}"
-    ),
-)
+claims.check("L4", verdict="holds" if all(l4_halves) else "partly" if any(l4_halves) else "does-not-hold",
+             measured={"tour's layers below 1e-6": {"count": len(near_zero_layers), "all flagged": instrument_half},
+                       "decoder's smallest mean |grad|": {"skip reversed": misaligned_decoder, "aligned": aligned_decoder}},
+             rule="holds: the tour's layers flagged; the reversed skip's decoder below 1e-6, the aligned's not")
 
 # %% [markdown]
 # The unaligned skip either crashes the decoder it was meant for or, when the channel count fits and
@@ -1313,18 +1282,10 @@ norm_ratios = [n for by_step in ln_table.values() for n, _ in by_step.values()]
 rms_ratios = [r for by_step in ln_table.values() for _, r in by_step.values()]
 per_entry_holds = min(rms_ratios) >= 100
 norm_holds = min(norm_ratios) >= 100
-claims.check(
-    "L5",
-    verdict="holds" if per_entry_holds else ("partly" if norm_holds else "does-not-hold"),
-    evidence=(
-        f"in a pre-LN MLP block on digits at widths {min(ln_table)}-{max(ln_table)}, block weight / LayerNorm "
-        f"gradient norm ratios were {min(norm_ratios):.0f}-{max(norm_ratios):.0f} (the square root of the entry-count "
-        f"ratio, sqrt(4·width), is {math.sqrt(4 * min(ln_table)):.0f}-{math.sqrt(4 * max(ln_table)):.0f}) and per-entry "
-        f"RMS ratios {min(rms_ratios):.2f}-{max(rms_ratios):.2f}, against the claimed 100-1000; the ResNet-50 conv1 range (0.01-0.3) is "
-        f"untestable here: no ResNet-50 weights or ImageNet data, and a grad norm depends on loss scale, batch "
-        f"and training stage"
-    ),
-)
+claims.check("L5", verdict="holds" if per_entry_holds else ("partly" if norm_holds else "does-not-hold"),
+             measured={"smallest ratio, weight / LayerNorm": {"per entry (RMS)": min(rms_ratios), "norm": min(norm_ratios)}},
+             note="the article: 100-1000; ResNet-50's conv1 range (0.01-0.3) untestable: no ResNet-50 weights or ImageNet",
+             rule="holds: 100+ per entry; partly: 100+ in norm only")
 
 # %% [markdown]
 # **The fix.** Compare gradient sizes per entry (RMS, or the tracer's `std`), not by norm, when two
