@@ -181,6 +181,29 @@ def opening(notebook: Path) -> Opening:
     return Opening(heading.group(1), heading.group(2).strip(), *(int(g) for g in time.groups()))
 
 
+# The **Time:** line's reading minutes come from the main path (the cells before "## Exercises"): prose at
+# 200 words a minute (a careful reader of technical text) and code at 10 lines a minute (lines read to be
+# understood, not skimmed: what a learner does before changing a parameter), rounded up to 5 minutes.
+PROSE_WORDS_PER_MINUTE = 200
+CODE_LINES_PER_MINUTE = 10
+
+
+def estimated_reading_minutes(notebook: Path) -> int:
+    """What the opening's "about N min to read and run" should say: the main path's prose and code read at
+    the speeds above, and Run All's time, rounded up to 5 minutes."""
+    words = code = 0
+    for cell in _cells(notebook):
+        text = _source(cell)
+        if cell["cell_type"] == "markdown" and text.lstrip().startswith("## Exercises"):
+            break
+        if cell["cell_type"] == "markdown":
+            words += len(re.findall(r"\w+", text))
+        elif cell["cell_type"] == "code":
+            code += sum(1 for line in text.splitlines() if line.strip() and not line.strip().startswith("#"))
+    minutes = words / PROSE_WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE + opening(notebook).run_all_seconds / 60
+    return 5 * -(-int(minutes + 0.999) // 5)
+
+
 def case_order(case_id: str) -> tuple:
     """A1 < A1b < A2 < A10: the catalogue's IDs in natural order."""
     match = CASE_ID.fullmatch(case_id)

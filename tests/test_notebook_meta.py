@@ -100,6 +100,13 @@ def test_gpu_sections_are_declared_exactly_where_the_twin_branches_on_cuda(meta)
         assert not meta.needs_gpu_on_cpu, "a case that needs a GPU needs a GPU section"
 
 
+def test_the_opening_gives_the_reading_time_its_main_path_takes(meta):
+    said = meta_module.opening(meta.notebook).reading_minutes
+    estimated = meta_module.estimated_reading_minutes(meta.notebook)
+    assert said == estimated, (f"{meta.notebook.name} says about {said} min to read and run; its main path reads in "
+                               f"about {estimated} (labkit/_notebook_meta.py): correct its **Time:** line")
+
+
 def test_typed_numbers_allowed_are_still_typed_into_their_case(meta):
     # A stale allowance would let a measurement be typed in later unnoticed.
     import test_claim_evidence

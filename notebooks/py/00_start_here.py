@@ -26,7 +26,7 @@
 # **Prerequisites:** no earlier notebook. You should know: Python functions and classes; PyTorch
 # tensors, `nn.Module` and a training loop (`loss.backward()`, `optimizer.step()`).
 #
-# **Time:** about 15 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# **Time:** about 20 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 9 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):

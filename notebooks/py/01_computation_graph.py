@@ -20,7 +20,7 @@
 # know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
 # (`loss.backward()`, `optimizer.step()`); `torch.autograd.grad`.
 #
-# **Time:** about 45 min to read and run, plus about 30 min for the 3 exercises. Run All takes about
+# **Time:** about 40 min to read and run, plus about 30 min for the 3 exercises. Run All takes about
 # 18 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):

@@ -23,7 +23,7 @@
 # You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
 # (`loss.backward()`, `optimizer.step()`); `torch.optim.SGD` and `Adam`.
 #
-# **Time:** about 40 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# **Time:** about 50 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 22 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):

@@ -17,7 +17,7 @@
 # You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
 # (`loss.backward()`, `optimizer.step()`); dropout, BatchNorm and an LSTM by name.
 #
-# **Time:** about 25 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# **Time:** about 55 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 16 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):

@@ -17,7 +17,7 @@
 # You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
 # (`loss.backward()`, `optimizer.step()`); what a residual block is.
 #
-# **Time:** about 15 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 50 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):

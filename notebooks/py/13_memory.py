@@ -23,7 +23,7 @@
 # You should know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
 # (`loss.backward()`, `optimizer.step()`); bytes per float32.
 #
-# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# **Time:** about 40 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 24 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):

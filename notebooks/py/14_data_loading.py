@@ -17,7 +17,7 @@
 # know: Python functions and classes; PyTorch tensors, `nn.Module` and a training loop
 # (`loss.backward()`, `optimizer.step()`); `Dataset` and `DataLoader`, NumPy's random generators.
 #
-# **Time:** about 25 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# **Time:** about 40 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 20 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):

@@ -22,7 +22,7 @@
 # You should know: a training step's parts (weights, gradients, optimizer state, activations);
 # attention as `softmax(q kᵀ/√d) v`; bytes per float32.
 #
-# **Time:** about 30 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
+# **Time:** about 55 min to read and run, plus about 20 min for the 2 exercises. Run All takes about
 # 21 s on 2 CPU cores.
 #
 # **Words** this notebook uses, explained in the [glossary](GLOSSARY.md):
