@@ -21,7 +21,9 @@ Scalar = bool | int | float | str
 
 def as_json(case_id: str, measured: Mapping) -> dict:
     """The measured values as plain JSON: tensors and NumPy scalars become numbers, tuples lists,
-    non-finite floats the strings "nan", "inf" and "-inf" (JSON has no such numbers)."""
+    non-finite floats the strings "nan", "inf" and "-inf" (JSON has no such numbers), and a float
+    the number the evidence shows (`formatted`): a stored output that nbval compares holds no digit
+    below what the reader sees, which another torch or BLAS may round differently."""
     if not isinstance(measured, Mapping) or not measured:
         raise LabkitError(f"{case_id}: measured= takes a dict of label -> value, such as "
                           "{'max |diff|': diff, 'steps clipped': share}; got " + repr(measured)[:80])
@@ -40,7 +42,7 @@ def _plain(case_id: str, label: str, value: object):
     if isinstance(value, bool | int | str):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
+        return float(formatted(value, grouped=False)) if math.isfinite(value) else str(value)
     if isinstance(value, Mapping):
         return {str(key): _plain(case_id, label, item) for key, item in value.items()}
     if isinstance(value, Sequence):

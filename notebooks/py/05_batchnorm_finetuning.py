@@ -670,13 +670,16 @@ for size in compared_sizes:
 small = compared_sizes[0]
 accuracy_cost_small = statistics.mean(r.eval_acc for r in grid["eval", small]) - statistics.mean(r.eval_acc for r in grid["train", small])
 shifted_gap, in_gap = gaps["digits 5-9 (shifted)"], gaps["digits 0-4"]
-all_failures_seen = (wander[0] > 2 * wander[-1] and shifted_gap[0] > shifted_gap[-1]
-                     and shifted_gap[-1] > in_gap[-1] and epoch_error is not None and accuracy_cost_small > 0)
-claims.check("D4", verdict="holds" if all_failures_seen else "partly", measured={
+# The claim's three failures: statistics that wander with small batches, a train/eval gap that shift widens,
+# and a batch of one that breaks; what they cost in accuracy is measured beside them.
+failures_seen = ((wander[0] > 2 * wander[-1]) + (shifted_gap[0] > shifted_gap[-1] and shifted_gap[-1] > in_gap[-1])
+                 + (epoch_error is not None))
+claims.check("D4", verdict=["does-not-hold", "partly", "partly", "holds"][failures_seen], measured={
     "accuracy lost in train mode": {f"batch {small}, mean of {seeds} seeds": f"{accuracy_cost_small:.1%}"},
     "running-mean error (std), smallest / largest batch": [wander[0], wander[-1]],
     "train/eval output gap, shifted data, smallest / largest batch": [shifted_gap[0], shifted_gap[-1]],
-    "the gap in distribution, largest batch": in_gap[-1], "a last batch of one sample raised": type(epoch_error).__name__})
+    "the gap in distribution, largest batch": in_gap[-1], "a last batch of one sample raised": type(epoch_error).__name__},
+    rule="holds if all three failures show, partly if one or two")
 
 
 # %% [markdown]
