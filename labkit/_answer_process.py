@@ -19,8 +19,8 @@ object that is not data comes back as a stand-in of the same type name, so the d
 The autograd graph of a result cannot cross either: a check that differentiates through the result asks for
 the backward pass with the call (`labkit.exercises.call_and_differentiate`); it runs here, and the gradients
 come back as data, or the error autograd raised as a stand-in of its type. What cannot cross: a hook the check
-registered on a tensor argument (it fires in the judge only), a lambda among the arguments; an exercise whose
-check needs those stays with the answer in the grading process (`labkit.exercises.exercise`, ``answer_apart``).
+registered on a tensor argument (it fires in the judge only), a lambda among the arguments: a check that needs
+those runs them beside the answer in a driver of its own (`labkit.exercises.run_beside`), which returns data.
 """
 
 from __future__ import annotations
