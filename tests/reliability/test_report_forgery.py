@@ -121,33 +121,31 @@ def checkpointed_forward(blocks, x, blocks_per_segment):
         x = block(x)
     return x
 """
-THROUGH_A_CLASS = """# exercise 10.1
-import torch
-import torch.nn.functional as F
-import labkit.exercises.nb10 as check
+# Put before 10.1's catalogued mistake without scaler.update() (tests/exercise_mistakes.py): swaps the check's
+# counting scaler for one whose state says every step was updated.
+SWAPS_THE_SCALER_CLASS = """import labkit.exercises.nb10 as check
 
 class Forged(check._CountingScaler):
     def state_dict(self):
         return {**super().state_dict(), "calls": {"step": 0, "update": 0}}
 
 check._CountingScaler = Forged
-
-def amp_step(model, optimizer, scaler, x, y):
-    optimizer.zero_grad()
-    with torch.autocast(x.device.type, dtype=torch.float16):
-        loss = F.cross_entropy(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    return loss.item()
 """
 
 
+def through_a_class() -> tuple[str, str]:
+    """10.1's no-update mistake behind the class swap, and the diagnosis that mistake gets."""
+    from exercise_mistakes import MISTAKES  # tests/ is on the path under pytest (not in the benchmark's import)
+
+    mistake = next(m for m in MISTAKES["10.1"] if m.label == "no scaler.update()")
+    return f"# exercise 10.1\n{SWAPS_THE_SCALER_CLASS}{mistake.answer}", mistake.says
+
+
 @pytest.mark.trial("extra")
-@pytest.mark.parametrize(("exercise", "answer", "diagnosis"), [
-    ("16.1", THROUGH_THE_DRIVER, "the inside of each block is still saved"),
-    ("10.1", THROUGH_A_CLASS, "the scaler had not finished its step"),
-], ids=["driver", "class"])
-def test_an_answer_apart_cannot_replace_the_checks_own_code_in_its_process(exercise, answer, diagnosis):
+@pytest.mark.parametrize("forgery", ["driver", "class"])
+def test_an_answer_apart_cannot_replace_the_checks_own_code_in_its_process(forgery):
+    exercise, (answer, diagnosis) = {"driver": ("16.1", (THROUGH_THE_DRIVER, "the inside of each block is still saved")),
+                                     "class": ("10.1", through_a_class())}[forgery]
     function = answer.split("def ")[-1].split("(")[0]
     result = grading.grade_cell(exercise, answer, function)
     assert not result.passed and diagnosis in result.message, result.message
