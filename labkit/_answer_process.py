@@ -36,6 +36,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -44,6 +45,7 @@ from torch import nn
 from torch.amp import GradScaler
 
 from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _plain, _time_limit
+from labkit._grader_process import GARBLED_REPLY_EXIT_CODE
 from labkit.exercises import Differentiated, NotYet, registry, watched_call
 from labkit.messages import describe_error
 
@@ -52,6 +54,8 @@ __all__: list[str] = []
 _LENGTH = struct.Struct("!Q")
 # A reply larger than this is not an answer's result: the judge stops reading and fails the answer.
 MAX_REPLY_BYTES = 256 * 2**20
+# How long an answer process that closed its channel may take to end.
+ENDING_GRACE_S = 2.0
 # Exceptions whose kind a check or the grading tells apart (autograd raises RuntimeError); any other comes
 # back as a plain Exception.
 _KINDS = (NotImplementedError, SystemExit, KeyboardInterrupt, RuntimeError)
@@ -77,6 +81,12 @@ class AnswerProcess:
         """``driver(answer, *args)`` in the answer process (`labkit.exercises.run_beside`): what it returns, as data."""
         with self.turn:
             return self._call(args, {}, ("beside", driver))
+
+    def ask(self, question: bytes):
+        """A question of a serve function of its own (a lab's, `labkit.labs._isolated.serve`): its reply, as data."""
+        with self.turn:
+            _send(self.channel, question)
+            return self._receive()
 
     def call_and_differentiate(self, args: tuple, wrt: tuple[int, ...], upstream, watch: bool) -> Differentiated:
         """The call, and the backward pass from its result (`labkit.exercises.call_and_differentiate`),
@@ -113,28 +123,43 @@ class AnswerProcess:
         self.channel.close()
 
     def _receive(self):
-        """The answer process's next reply, read as data only; its end (an exit, a crash) ends the judge alike."""
+        """The answer process's next reply, read as data only. Its end (an exit, a crash) ends the judge alike;
+        a reply that is not data (the answer wrote into the channel) ends it with `GARBLED_REPLY_EXIT_CODE`."""
         try:
             payload = _receive(self.channel)
-            if payload is not None:
-                return torch.load(io.BytesIO(payload), weights_only=True)
+        except (OSError, ValueError, struct.error):
+            self._end_garbled()
+        if payload is None:
+            self._end_as_the_answer_did()
+        try:
+            return torch.load(io.BytesIO(payload), weights_only=True)
         except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, ValueError, struct.error):
-            pass  # a reply that is not data is no reply: the process is ended below
-        self._end_as_the_answer_did()
+            self._end_garbled()
 
     def _end_as_the_answer_did(self) -> None:
-        """End the judge with the answer process's exit code or signal, so the parent words it as before."""
-        os.kill(self.pid, signal.SIGKILL)  # a reply that was not data: the process may still run (an ended one waits)
-        _, status = os.waitpid(self.pid, 0)
-        code = os.waitstatus_to_exitcode(status)
+        """The channel closed: end the judge with the answer process's exit code or signal, so the parent words
+        it as before; a process that closed the channel and lives on broke the protocol (`_end_garbled`)."""
+        deadline = time.monotonic() + ENDING_GRACE_S
+        while (ended := os.waitpid(self.pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                self._end_garbled()
+            time.sleep(0.01)
+        code = os.waitstatus_to_exitcode(ended[1])
         if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
+            if code != -signal.SIGKILL:  # SIGKILL's handler cannot be set, nor needs to be
+                signal.signal(-code, signal.SIG_DFL)
             signal.raise_signal(-code)
         os._exit(code)
 
+    def _end_garbled(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        os._exit(GARBLED_REPLY_EXIT_CODE)
 
-def start(request: dict, confine: Callable[[], None]) -> AnswerProcess:
-    """Fork the answer process for ``request`` (source, function, where, time_limit_s); ``confine`` caps it."""
+
+def start(request: dict, confine: Callable[[], None], serve: Callable | None = None) -> AnswerProcess:
+    """Fork the answer process for ``request`` (source, function, where, time_limit_s); ``confine`` caps it.
+    ``serve(channel, request)`` runs the cell and answers the judge there (default: an exercise's calls)."""
     judge_end, answer_end = socket.socketpair()
     pid = os.fork()
     if pid == 0:
@@ -147,7 +172,7 @@ def start(request: dict, confine: Callable[[], None]) -> AnswerProcess:
             os.closerange(3, keep)  # the result pipe and the nonce's pipe (fd 0, above) among them
             os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
             confine()
-            _serve(answer_end, request)
+            (serve or _serve)(answer_end, request)
         finally:
             os._exit(0)
     answer_end.close()

@@ -12,13 +12,14 @@ check (`_Namespaces`). The verdict goes back as one JSON line carrying the paren
 waits unread in the stdin pipe until the check is over; the process then ends at once (os._exit),
 so a learner's thread cannot keep it alive.
 
-For an exercise registered ``answer_apart=True`` this process is the judge only: before any learner
-code runs it forks the answer's own process (`labkit._answer_process`), which closes the request pipe
-(the nonce) and the result pipe, is confined as above, and serves the check's calls as data; no line of
-the learner's runs here. For any other exercise and for labs the answer runs here beside its check, and
-that is not protected: an answer written against this protocol can read the nonce from fd 0 and write a
-forged report, or patch what writes the report (`json.dumps`) or the check's own data (NF1, NF2 in
-tests/reliability/test_report_forgery.py, held there as strict xfails).
+For a lab, and for an exercise registered ``answer_apart=True`` (every exercise of the workbook), this
+process is the judge only: before any learner code runs it forks the answer's own process
+(`labkit._answer_process`; a lab's side is `labkit.labs._isolated.serve`), which closes the request pipe
+(the nonce) and the result pipe, is confined as above, and serves the judge's questions as data; no line
+of the learner's runs here. An exercise without ``answer_apart`` would run its answer here beside its
+check, and that is not protected: an answer written against this protocol could read the nonce from fd 0
+and write a forged report, or patch what writes the report (`json.dumps`): NF1 and NF2 in
+tests/reliability/test_report_forgery.py.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import labkit.grading as grading
 from labkit import _answer_process
-from labkit._check_sandbox import _Namespaces, _time_limit
+from labkit._check_sandbox import _Namespaces
 from labkit.exercises import registry
 from labkit.labs import _isolated
 from labkit.messages import describe_error
@@ -79,14 +80,14 @@ def main() -> None:
     # a lab whose training runs in worker processes (DataLoader workers, gloo ranks) may fork and stop its own
     allowed = _isolated.process_events(request["lab"]) if "lab" in request else ()
     confine = functools.partial(_confine, request, allowed)
-    if "lab" not in request and registry()[request["exercise"]].answer_apart:
+    if "lab" in request:  # no learner code runs here: the answer process runs the cell and the repaired training
+        serve = functools.partial(_isolated.serve, prepared=prepared, namespaces=namespaces)
+        verdict = _verdict(_isolated.judge(request, prepared, _answer_process.start(request, confine, serve)))
+    elif registry()[request["exercise"]].answer_apart:
         verdict = _grade_apart(request, _answer_process.start(request, confine))  # no learner code runs here
     else:
         confine()
-        if "lab" in request:
-            verdict = _verdict(_isolated.judge(request, prepared, namespaces, _time_limit))
-        else:
-            verdict = _grade(request, namespaces)
+        verdict = _grade(request, namespaces)
     # The nonce waited in the pipe, out of reach of the answer's Python objects and frames.
     results.write(json.dumps({"nonce": _read_line(0), **verdict}) + "\n")
     results.flush()

@@ -8,9 +8,9 @@ the answer cell's *source*, in its own session (the whole group is killed at the
 started outlives it), in a scratch folder that is deleted afterwards, with its CPU time, memory and
 file sizes capped, and under a wall-clock bound here. The result comes back as one JSON line with a
 nonce this process chose; an exit, a crash, a hang or a missing line is a verdict about that answer alone.
-The nonce authenticates only a process the answer never ran in: an exercise registered ``answer_apart``
-runs its answer in a further process that holds neither the nonce nor the result pipe
-(`labkit._answer_process`); for the others the answer shares the grading process (`labkit._grader_child`).
+The nonce authenticates only a process the answer never ran in: a lab's answer, and an exercise's
+registered ``answer_apart`` (all of them), run in a further process that holds neither the nonce nor the
+result pipe (`labkit._answer_process`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from labkit._grader_zygote import FORK
 
 __all__: list[str] = []
 
+# The judge's exit code when the answer's own process wrote into their channel (`labkit._answer_process`).
+GARBLED_REPLY_EXIT_CODE = 86
 # Starting Python and importing torch and labkit takes a few seconds, more on a loaded machine; the
 # answer's own wall-clock bound starts when the child says it is ready (`READY`).
 STARTUP_ALLOWANCE_S = 120
@@ -216,6 +218,10 @@ def _read_report(report: bytes, returncode: int, nonce: str, stderr: Path) -> Ou
     if returncode < 0:
         return Outcome(failure=f"it crashed the grading process ({signal.Signals(-returncode).name})",
                        hint="look for ctypes, a C extension or a recursion without end in your cell")
+    if returncode == GARBLED_REPLY_EXIT_CODE:
+        return Outcome(failure="it wrote into the grader's channel something that is not an answer (the grader "
+                               "stopped it)",
+                       hint="return your result from the function; do not write to file descriptors you did not open")
     crash = _last_line(stderr)
     return Outcome(failure=f"it ended the grading process (exit code {returncode}){crash}",
                    hint="return the result instead of ending the process (os._exit, sys.exit)")

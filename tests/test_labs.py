@@ -1034,8 +1034,8 @@ def test_an_answer_cell_that_attacks_the_grader_fails_only_its_own_lab(attack, m
             "forge the lab's definition": _answer_cell("00.a") + FORGE_THE_LAB,
             "exit": "# lab 00: your answer\ndef diagnose(lab):\n    import os\n    os._exit(0)\n",
             "ignore the alarm and loop": "# lab 00: your answer\nimport signal\n"
-                                         "signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-                                         "def diagnose(lab):\n    while True:\n        pass\n"}[attack]
+                                         "def diagnose(lab):\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+                                         "    while True:\n        pass\n"}[attack]
     function = "forged" if attack == "forge the lab's definition" else "diagnose"
     monkeypatch.setattr(_isolated, "LAB_TIME_LIMIT_S", 2.0)  # the loop is stopped in seconds, not minutes
     result = _isolated.grade_lab_cell("00", cell, function, key)

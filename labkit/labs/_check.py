@@ -1,8 +1,10 @@
 """The check of a lab: is the diagnosis the run's cause, and does the repaired run recover the twin?
 
 `check_lab` is a plain function of (lab, variant, diagnosis, repair, seed, try number), so a grading
-runner in another process can call it; it prints nothing and returns a `labkit.grading.Result`. It
-judges in this order, and stops at the first failure:
+runner in another process can call it; it prints nothing and returns a `labkit.grading.Result`. The
+repair is the learner's code, or a `Repair` that trains it elsewhere (in the answer's own process,
+`labkit.labs._isolated`) and brings the run back as data. It judges in this order, and stops at the
+first failure:
 1. the diagnosis is one of the lab's causes and is the variant's cause (else: the measurement on the
    learner's own run that contradicts it);
 2. the repair is code for one of the lab's stages (a function named after the stage, a dict of them,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -46,11 +49,28 @@ def reference_runs(lab_id: str, variant_id: str, seed: int) -> tuple[Run, Run]:
     return lab.run(lab.stages_of(lab.variant(variant_id)), seed), lab.run(dict(lab.correct), seed)
 
 
+@dataclass(frozen=True)
+class Repair:
+    """A learner's repair as the check judges it: the stages it replaces (or why it gives none, ``problem``)
+    and ``train()``, the variant's run with those stages, which raises what that run raised."""
+
+    stages: tuple[str, ...]
+    problem: str | None
+    train: Callable[[], Run]
+
+
+def local_repair(lab: Lab, variant_id: str, seed: int, repair: object) -> Repair:
+    """``repair`` (functions, a dict of them, or source text) trained in this process."""
+    stages, problem = repaired_stages(lab, repair)
+    return Repair(tuple(stages), problem, lambda: lab.run({**lab.stages_of(lab.variant(variant_id)), **stages}, seed))
+
+
 def check_lab(lab_id: str, variant_id: str, diagnosis: str, repair: object, *, seed: int,
               try_number: int = 1, follow_up: bool = True) -> Result:
     """The verdict on a learner's diagnosis and repair of ``variant_id`` of lab ``lab_id`` at ``seed``.
 
-    ``follow_up=False`` (a regrade, which has no next try) leaves out the promise that the next hint says more.
+    ``repair`` is the learner's (trained here) or a `Repair`. ``follow_up=False`` (a regrade, which has no
+    next try) leaves out the promise that the next hint says more.
     """
     lab = lab_of(lab_id)
     variant = lab.variant(variant_id)
@@ -68,11 +88,13 @@ def check_lab(lab_id: str, variant_id: str, diagnosis: str, repair: object, *, s
     if diagnosis != variant.cause:
         measured = lab.cause(diagnosis).measure(defective, twin)
         return not_yet(f"the diagnosis {diagnosis!r} does not fit your run: {measured}")
-    stages, problem = repaired_stages(lab, repair)
-    if problem:
-        return not_yet(problem)
+    if not isinstance(repair, Repair):
+        repair = local_repair(lab, variant.id, seed, repair)
+    if repair.problem:
+        return not_yet(repair.problem)
+    stages = repair.stages
     try:
-        repaired = lab.run({**lab.stages_of(variant), **stages}, seed)
+        repaired = repair.train()
     except KeyboardInterrupt:
         raise
     except Exception as error:

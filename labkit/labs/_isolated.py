@@ -6,17 +6,20 @@ receives the lab's ID, the learner's key (`labkit.labs._draw`) and the *source* 
 cell, the cell that starts ``# lab NN: your answer`` and defines ``diagnose(lab)``. There, before any of
 the learner's code runs, the variant and seed are drawn again from the key, the learner's own run and
 the two reference runs (defective and defect-free) are trained, and the lab's definition is snapshotted
-(`_Namespaces`). Then the cell runs, ``diagnose`` is called on the learner's run, and the check reruns
-the training with the repair, every repaired stage's call followed by putting back what it patched. A
-cell that patches torch or labkit, exits, hangs, ignores SIGALRM or unsets ``NBGRADER_EXECUTION`` can
-only fail its own lab. The learner's kernel (`labs.check`), nbgrader's autograde
+(`_Namespaces`). That process is the judge only (`judge`): it forks the answer's own process
+(`labkit._answer_process`, which holds neither the nonce nor the result pipe), where `serve` runs the
+cell, calls ``diagnose`` on the learner's run and, when the judge asks, reruns the training with the
+repair, every repaired stage's call followed by putting back what it patched. What comes back is data: the
+diagnosis as a string, the names of the repaired stages, and the repaired run's numbers, trace and audit
+(`labkit.labs._audit`); the judge compares them with the reference runs it trained itself. A cell that
+patches torch or labkit, exits, hangs, ignores SIGALRM, unsets ``NBGRADER_EXECUTION``, or writes to the
+pipes it finds can only fail its own lab. The learner's kernel (`labs.check`), nbgrader's autograde
 (`labkit.course.isolated_autograde`) and ``labkit progress`` all grade a lab this way, so they agree.
 
-What this does not stop, as for exercises (`labkit._grader_child`): a thread the repair starts that keeps
-patching between two restores, an in-place change to a list inside a reference run's trace, and an answer
-written against the grading protocol itself (it shares the grading process with the check, so it can
-write its own verdict: the repair is a training stage whose outputs the rerun backpropagates through, which
-`labkit._answer_process` cannot carry across a process boundary).
+What this does not stop, as for an exercise's driver (`labkit.exercises.run_beside`): the repaired run is
+measured in the answer's process, so a thread the repair starts that keeps patching between two restores,
+or a stage that walks up the stack into the training loop's frame, could change the numbers the judge
+reads. The judge trusts them only as far as the lab's own audit does.
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from labkit.grading import EXERCISE_NAMESPACE, Result
-from labkit.labs._check import check_lab, grade_id, reference_runs, repaired_stages
+from labkit.labs._check import Repair, check_lab, grade_id, reference_runs, repaired_stages
 from labkit.labs._draw import draw
+from labkit.labs._lab import Run
 from labkit.labs._registry import LAB_MODULES, lab_of
 
 __all__: list[str] = []
@@ -135,49 +141,172 @@ def prepare(request: dict) -> Prepared:
     return Prepared(lab.id, variant.id, seed, session, modules, objects)
 
 
-def judge(request: dict, prepared: Prepared, namespaces, time_limit) -> Result:
-    """Run the answer cell, call its ``diagnose`` on the learner's run, and check the diagnosis and repair.
+def judge(request: dict, prepared: Prepared, answer) -> Result:
+    """The verdict on the answer cell running in ``answer`` (`labkit._answer_process.AnswerProcess`, served by
+    `serve`): the diagnosis and the repair's run come back as data and are judged here, against the
+    reference runs this process trained before any learner code ran. The answer process ends with it."""
+    from labkit._check_sandbox import _CheckTimedOut
 
-    ``namespaces`` (`labkit._check_sandbox._Namespaces`) is restored after the cell, after ``diagnose``
-    and after every call of a repaired stage; ``time_limit`` bounds all of it.
-    """
-    from labkit._check_sandbox import _CheckTimedOut, _plain_str
-    from labkit.labs import _submission
-    from labkit.messages import describe_error
-
-    function, lab = request["function"], lab_of(prepared.lab_id)
-    namespace = dict(EXERCISE_NAMESPACE)
+    lab = lab_of(prepared.lab_id)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                time_limit(request["time_limit_s"]):
-            try:
-                exec(compile(request["source"], request["where"], "exec"), namespace)  # noqa: S102 (the answer cell)
-            finally:
-                namespaces.restore()
-            if not callable(namespace.get(function)):
-                return not_yet_result(lab.id, f"the lab answer cell does not define {function} any more; keep the "
-                                              f"line 'def {function}(lab):' of the student edition")
-            try:
-                diagnosis, repair, problem = _submission(prepared.session, namespace[function], None)
-            finally:
-                namespaces.restore()
-            if problem is not None:
-                return not_yet_result(lab.id, problem)
-            try:
-                stages, problem = repaired_stages(lab, repair)  # a repair given as text runs here
-            finally:
-                namespaces.restore()
-            # with a problem, check_lab words it (after the diagnosis, with the lab's hints)
-            repaired = repair if problem else {name: _restoring(stage, namespaces) for name, stage in stages.items()}
-            text = _plain_str(diagnosis)
-            return check_lab(lab.id, prepared.variant, diagnosis if text is None else text, repaired,
-                             seed=prepared.seed, try_number=request["try_number"], follow_up=request["follow_up"])
+        status, detail = answer.cell()
+        if status != "defined":
+            return not_yet_result(lab.id, {
+                "timed_out": f"your lab answer did not finish within {detail} (the check stopped it)",
+                "raised": f"your lab answer raised {detail}",
+                "undefined": f"the lab answer cell does not define {request['function']} any more; keep the line "
+                             f"'def {request['function']}(lab):' of the student edition"}[status])
+        submitted = _asked(answer, SUBMIT)
+        if submitted[0] == "refused":
+            return not_yet_result(lab.id, _bounded(submitted[1]))
+        _, diagnosis, shown, stages, problem = submitted
+        unknown = [name for name in stages if name not in lab.stages]
+        if unknown and not problem:
+            problem = f"{', '.join(map(str, unknown))} is not one of this lab's stages"
+        repair = Repair(tuple(stages), None if problem is None else _bounded(problem),
+                        lambda: _trained(_asked(answer, TRAIN)))
+        return check_lab(lab.id, prepared.variant, _Shown(shown) if diagnosis is None else diagnosis, repair,
+                         seed=prepared.seed, try_number=request["try_number"], follow_up=request["follow_up"])
     except _CheckTimedOut as stopped:
         return not_yet_result(lab.id, f"your lab answer did not finish within {stopped.limit} (the check stopped it)")
-    except BaseException as error:  # SystemExit and KeyboardInterrupt too: the code raising them is the learner's
-        return not_yet_result(lab.id, f"your lab answer raised {describe_error(error, 160)}")
+    finally:
+        answer.end()
+
+
+# What the judge asks the answer process, in this order: the submission, then (when the diagnosis is
+# right and the repair names stages) the repaired run.
+SUBMIT, TRAIN = b"submit", b"train"
+MAX_PROBLEM_CHARS = 400
+
+
+class _Shown:
+    """A diagnosis that is not a string, as the answer process wrote it (``repr``), for the message."""
+
+    def __init__(self, text: str) -> None:
+        self.text = str(text)
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _bounded(text: str) -> str:
+    return str(text)[:MAX_PROBLEM_CHARS]
+
+
+def _asked(answer, question: bytes) -> tuple:
+    from labkit._check_sandbox import _CheckTimedOut
+
+    reply = answer.ask(question)
+    if reply[0] == "timed_out":
+        raise _CheckTimedOut(reply[1])
+    return reply
+
+
+def _trained(reply: tuple) -> Run:
+    """The repaired run from the answer process's reply, or the stand-in of the error the run raised."""
+    from labkit._answer_process import _stand_in_error
+
+    if reply[0] == "raised":
+        raise _stand_in_error("Exception", *reply[1:])
+    _, metrics, trace, integrity, objects = reply
+    return Run(dict(metrics), dict(trace), dict(objects), [str(problem) for problem in integrity])
+
+
+# ---- the answer process's side ------------------------------------------------------------------------
+
+
+def serve(channel, request: dict, prepared: Prepared, namespaces) -> None:
+    """In the answer process (forked after `prepare`, so the learner's run is here): run the answer cell,
+    then answer `judge`'s questions, putting back what the learner's code patched after each of its calls."""
+    from labkit import _answer_process as across
+    from labkit._check_sandbox import _CheckTimedOut, _time_limit
+
+    namespace = dict(EXERCISE_NAMESPACE)
+    try:
+        ran = across.run_cell(request, namespace)
     finally:
         namespaces.restore()
+    across._reply(channel, ran)
+    if ran[0] != "defined":
+        return
+    repair: dict[str, Callable] = {}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                _time_limit(request["time_limit_s"]):
+            while (question := across._receive(channel)) is not None:
+                namespaces.restore()
+                if question == SUBMIT:
+                    reply = _submission_here(prepared, namespace[request["function"]], namespaces, repair)
+                else:
+                    reply = _repaired_run_here(prepared, repair, namespaces)
+                across._reply(channel, reply)
+    except _CheckTimedOut as stopped:
+        across._reply(channel, ("timed_out", stopped.limit))
+
+
+def _submission_here(prepared: Prepared, diagnose: Callable, namespaces, repair: dict) -> tuple:
+    """("refused", why) or ("submitted", diagnosis or None, its repr, stage names, problem or None);
+    the repaired stages stay here, in ``repair``, for the run the judge may ask for next."""
+    from labkit._check_sandbox import _plain_str
+    from labkit.labs import _submission
+
+    lab = lab_of(prepared.lab_id)
+    try:
+        diagnosis, given, problem = _submission(prepared.session, diagnose, None)
+    finally:
+        namespaces.restore()
+    if problem is not None:
+        return ("refused", problem)
+    try:
+        stages, problem = repaired_stages(lab, given)  # a repair given as text runs here
+        text = _plain_str(diagnosis)
+        shown = "" if text is not None else _repr(diagnosis)
+    finally:
+        namespaces.restore()
+    repair.update({name: _restoring(stage, namespaces) for name, stage in stages.items()})
+    return ("submitted", text, shown, sorted(stages), problem)
+
+
+def _repr(value: object) -> str:
+    try:
+        return _bounded(repr(value))
+    except Exception:  # a diagnosis whose __repr__ fails is still named in the message, by its type
+        return f"<a {type(value).__name__}>"
+
+
+def _repaired_run_here(prepared: Prepared, repair: dict, namespaces) -> tuple:
+    """("trained", metrics, trace, integrity, the objects that are data) or ("raised", type name, message)."""
+    from labkit._check_sandbox import _CheckTimedOut
+
+    lab = lab_of(prepared.lab_id)
+    try:
+        run = lab.run({**lab.stages_of(lab.variant(prepared.variant)), **repair}, prepared.seed)
+    except _CheckTimedOut:
+        raise
+    except BaseException as error:  # the learner's stage raised it, KeyboardInterrupt and SystemExit included
+        return ("raised", type(error).__name__, str(error))
+    finally:
+        namespaces.restore()
+    objects = {name: data for name, value in run.objects.items() if (data := _data(value)) is not _NOT_DATA}
+    return ("trained", _data(run.metrics), _data(run.trace), list(run.integrity), objects)
+
+
+_NOT_DATA = object()
+
+
+def _data(value):
+    """``value`` as data the judge reads back with ``weights_only`` (numbers, strings, tensors and containers of
+    them), or `_NOT_DATA` (a model, an optimizer): a container keeps only its items that are data."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().as_subclass(torch.Tensor).clone()
+    if isinstance(value, dict):
+        return {key: item for key, item in ((k, _data(v)) for k, v in value.items()) if item is not _NOT_DATA}
+    if isinstance(value, list | tuple):
+        items = [item for item in map(_data, value) if item is not _NOT_DATA]
+        return items if isinstance(value, list) else tuple(items)
+    return _NOT_DATA
 
 
 def _restoring(stage: Callable, namespaces) -> Callable:

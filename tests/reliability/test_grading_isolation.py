@@ -301,7 +301,14 @@ def test_an_answer_apart_is_refused_what_an_answer_must_not_do_and_holds_no_pipe
     ("    raise KeyboardInterrupt('stop')", f"{APART_FUNCTION} raised KeyboardInterrupt: stop"),
     ("    import signal\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n    while True:\n        pass",
      "(the grader stopped it)"),
-], ids=["a crash", "an exit", "KeyboardInterrupt", "an endless loop that ignores the alarm"])
+    # the judge once raised OSError here: it tried to set SIGKILL's handler to die the same way
+    ("    import signal\n    signal.raise_signal(signal.SIGKILL)", "used more CPU time or memory than a check allows"),
+    ("    import os\n    for fd in range(3, 64):\n        try:\n            os.write(fd, b'not a reply')\n"
+     "        except OSError:\n            continue", "it wrote into the grader's channel something that is not an answer"),
+    ("    import contextlib, os, time\n    for fd in range(3, 64):\n        with contextlib.suppress(OSError):\n"
+     "            os.close(fd)\n    time.sleep(60)", "it wrote into the grader's channel something that is not an answer"),
+], ids=["a crash", "an exit", "KeyboardInterrupt", "an endless loop that ignores the alarm", "a SIGKILL of its own",
+        "bytes written into the channel", "the channel closed by a process that lives on"])
 def test_an_answer_apart_that_crashes_exits_or_loops_is_a_verdict(body, said, short_limit):
     result = grading.grade_cell(APART, apart_cell(body), APART_FUNCTION)
     assert not result.passed

@@ -6,8 +6,8 @@ parent's nonce from the request pipe (fd 0) and write a passing line to every op
 ``answer_apart=True`` runs its answer in a process of its own (`labkit._answer_process`): there the answer
 finds neither the nonce nor any descriptor the parent reads, nor the check's frames, and what it patches is
 not where the verdict is written. Those tests pass, and fail on the code before that process existed (both
-forgeries passed a wrong answer). Every exercise runs its answer apart; a lab's answer still shares the grading
-process with its check (its repair is a stage the check trains with): the strict xfail keeps that in sight. One grading process each, no kernel.
+forgeries passed a wrong answer). Every exercise and every lab runs its answer apart: a lab's repair is trained
+in the answer's process and its run comes back as data (`labkit.labs._isolated`). One grading process each, no kernel.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from labkit.labs._draw import learner_key
 
 pytestmark = pytest.mark.timeout(600, method="thread")
 
-# An exercise graded with its answer apart (00.1, one SGD step), and a lab, whose answer still shares the
-# grading process with its check.
+# An exercise graded with its answer apart (00.1, one SGD step), and a lab.
 APART = ("00.1", "one_training_step")
-SHARED = ("00.lab", "diagnose")
+LAB = ("00.lab", "diagnose")
 
 # Reads the nonce the parent left in the request pipe, writes a passing verdict line to every open pipe, exits.
 THROUGH_THE_PIPES = """# exercise EXERCISE
@@ -72,11 +71,14 @@ def forging(template: str, exercise: tuple[str, str]) -> str:
 
 
 @pytest.mark.trial("extra")
-@pytest.mark.parametrize("answer", [THROUGH_THE_PIPES, THROUGH_THE_ENCODER], ids=["pipes", "encoder"])
-def test_an_answer_apart_cannot_write_its_own_verdict(answer):
+@pytest.mark.parametrize(("answer", "said"), [
+    (THROUGH_THE_PIPES, "it wrote into the grader's channel something that is not an answer"),
+    (THROUGH_THE_ENCODER, f"{APART[1]} raised ValueError: wrong"),
+], ids=["pipes", "encoder"])
+def test_an_answer_apart_cannot_write_its_own_verdict(answer, said):
     result = grading.grade_cell(APART[0], forging(answer, APART), APART[1])
     assert not result.passed, result.message
-    assert "forged" not in result.message
+    assert said in result.message, result.message
 
 
 @pytest.mark.trial("extra")
@@ -93,13 +95,18 @@ def test_every_exercise_grades_its_answer_apart():
 
 
 @pytest.mark.trial("extra")
-@pytest.mark.xfail(strict=True, reason="issue #42 (b): a lab's answer still shares the grading process with its check")
-@pytest.mark.parametrize("answer", [THROUGH_THE_PIPES, THROUGH_THE_ENCODER], ids=["pipes", "encoder"])
-def test_a_lab_answer_cannot_write_its_own_verdict(answer):
+@pytest.mark.parametrize(("answer", "said"), [
+    (THROUGH_THE_PIPES, "it wrote into the grader's channel something that is not an answer"),
+    (THROUGH_THE_ENCODER, "your function raised ValueError: wrong"),
+    (THROUGH_THE_FRAMES, "your function raised ValueError: diagnose _submission"),  # its own frames, then serve's
+], ids=["pipes", "encoder", "frames"])
+def test_a_lab_answer_cannot_write_its_own_verdict(answer, said):
     from labkit.labs._isolated import grade_lab_cell
 
-    result = grade_lab_cell("00", forging(answer, SHARED), SHARED[1], learner_key(learner="learner0"))
+    result = grade_lab_cell("00", forging(answer, LAB), LAB[1], learner_key(learner="learner0"))
     assert not result.passed, result.message
+    assert said in result.message, result.message
+    assert "judge" not in result.message and "check_lab" not in result.message, result.message
 
 
 # A wrong 16.1 (no checkpoint at all) whose cell replaces the check's driver, and a class the check sends its
