@@ -151,13 +151,19 @@ def expect_not_yet(exercise_id: str, source: str, said: str, name: str = NB00) -
 
 # ---- 1. progress ---------------------------------------------------------------------------------------
 
+# What `progress` grades in a folder holding 00 and 02 (their exercises and their labs), and its statuses
+# when only 00.1 is answered.
+GRADED_IN_00_02 = {"00.1", "00.2", "00.lab", "02.1", "02.2", "02.lab"}
+ONLY_00_1_PASSED = {grade_id: "passed" if grade_id == "00.1" else "not yet" for grade_id in GRADED_IN_00_02}
+
+
 @trial("PG1")
 def pg1(work):
     folder = learner(work, NB00, NB02)
     set_cell(folder, "00.1", answer("00.1"))
     rc, out, report = progress(folder)
     seen = statuses(report)
-    good = seen == {"00.1": "passed", "00.2": "not yet", "02.1": "not yet", "02.2": "not yet"}
+    good = seen == ONLY_00_1_PASSED
     return (OK if rc == 0 and good else WRONG), f"rc {rc}, {seen}, total {report and report['total']}"
 
 
@@ -184,9 +190,11 @@ def folder_with_00_1(work: Path, code: str) -> tuple[int | None, str, dict | Non
     return progress(folder)
 
 
+
+
 def whole_report(rc, out, report, first_said: str) -> tuple[str, str]:
     seen = statuses(report)
-    good = rc == 0 and seen.get("00.2") == "passed" and seen.get("00.1") == "not yet" and len(seen) == 4
+    good = rc == 0 and seen.get("00.2") == "passed" and seen.get("00.1") == "not yet" and set(seen) == GRADED_IN_00_02
     message = next((row["message"] for row in (report or {}).get("exercises", []) if row["exercise"] == "00.1"), "")
     if good and first_said in message:
         return OK, f"rc {rc}, {seen}; 00.1: {message[:160]}"
@@ -213,7 +221,7 @@ def pg7(work):
     set_cell(folder, "00.1", answer("00.1") + "\n" + patch)
     rc, out, report = progress(folder)
     seen = statuses(report)
-    good = seen == {"00.1": "passed", "00.2": "not yet", "02.1": "not yet", "02.2": "not yet"}
+    good = seen == ONLY_00_1_PASSED
     return (OK if good else WRONG), f"rc {rc}, {seen}"
 
 
@@ -429,7 +437,7 @@ def pg30(work):
     folder = learner(work, NB00, NB02)
     rc, out, report = progress(folder)
     total = report and report["total"]["exercises"]
-    return (OK if total == 4 else WRONG), f"rc {rc}, total against {total} exercises"
+    return (OK if total == len(GRADED_IN_00_02) else WRONG), f"rc {rc}, total against {total} exercises and labs"
 
 
 # ---- the nonce: a report the answer writes itself (issue #42 (b)) -------------------------------------
@@ -443,9 +451,13 @@ def forgery_module():
 
 
 def forge_every_exercise(template: str) -> tuple[str, str]:
-    """The forging cell as the answer of every exercise of the workbook: forged where the answer shares the
-    grading process with its check, refused where it runs apart (``answer_apart``)."""
+    """The forging cell as the answer of every exercise and every lab of the workbook: forged where the answer
+    shares the grading process with its check, refused where it runs apart (every exercise's ``answer_apart``,
+    every lab's `labkit.labs._isolated.serve`)."""
     from labkit.exercises import registry
+    from labkit.labs import lab_ids
+    from labkit.labs._draw import learner_key
+    from labkit.labs._isolated import grade_lab_cell
 
     forgeries = forgery_module()
     functions = {eid: cells.function for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -454,9 +466,13 @@ def forge_every_exercise(template: str) -> tuple[str, str]:
     for eid, function in functions.items():
         result = grade_any(eid, forgeries.forging(getattr(forgeries, template), (eid, function)), function)
         (forged if result.passed else refused).append(eid)
-    apart = [eid for eid in functions if registry()[eid].answer_apart]
-    seen = (f"forged on {len(forged)} of {len(functions)} exercises ({', '.join(forged) or 'none'}); refused on "
-            f"{len(refused)} ({', '.join(refused) or 'none'})"
+    for lab_id in lab_ids():
+        cell = forgeries.forging(getattr(forgeries, template), (f"{lab_id}.lab", "diagnose"))
+        result = grade_lab_cell(lab_id, cell, "diagnose", learner_key(learner="learner0"))
+        (forged if result.passed else refused).append(f"{lab_id}.lab")
+    apart = [eid for eid in functions if registry()[eid].answer_apart] + [f"{lab_id}.lab" for lab_id in lab_ids()]
+    seen = (f"forged on {len(forged)} of {len(functions)} exercises and {len(lab_ids())} labs "
+            f"({', '.join(forged) or 'none'}); refused on {len(refused)} ({', '.join(refused) or 'none'})"
             + (", exactly those graded with the answer apart" if refused == apart else f"; graded apart: {', '.join(apart)}"))
     return (WRONG if forged else OK), seen
 
