@@ -549,7 +549,9 @@ def cr6(work):
 # ---- 2. the workshop hub, without starting it -----------------------------------------------------------
 
 def hub_config(env: dict[str, str]) -> tuple[int | None, str]:
-    code = ("from traitlets.config import PyFileConfigLoader\n"
+    # The configuration only names this Python for the learners' servers, and it may lie in a folder that is
+    # root's alone (pyenv under /root, which the hub rightly refuses): it names a reachable file instead.
+    code = ("import sys\nsys.executable = '/usr/bin/env'\nfrom traitlets.config import PyFileConfigLoader\n"
             "PyFileConfigLoader('jupyterhub_config.py', path='workshop').load_config()\nprint('loaded')\n")
     return run([PY, "-c", code], timeout=120, env={**os.environ, **env})
 
