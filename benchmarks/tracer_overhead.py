@@ -22,7 +22,10 @@ recipe (every step, for every parameter, ``add_histogram`` of the gradient and o
 temporary folder removed afterwards; needs the ``bench`` extra, and is skipped with the reason
 printed where tensorboard is not importable); and, for information, the naive monitor of seed
 article S2 section 3.1, which copies every gradient to NumPy each step and reduces it there
-(it computes fewer statistics than full mode, so it is not a target).
+(it computes fewer statistics than full mode, so it is not a target). With ``--floor``, also full
+mode's tensor passes alone (`TensorPassesOnly`: the same reductions, copy and differences in plain
+hooks, without GradTracer's binning, staging and records), for information: the floor of full
+statistics every step with these torch ops, and so how much of full mode's cost is bookkeeping.
 Targets: the default at most 1.03x plain (issue #3); full statistics at most 1.30x plain, and
 full statistics' overhead (ratio - 1) at most half of TensorBoard's recipe's (issue #36).
 
@@ -35,6 +38,7 @@ on a tensor the size of the model's largest gradient, timed once per round.
     .venv/bin/python benchmarks/tracer_overhead.py --threads 1 --optimizer sgd
     .venv/bin/python benchmarks/tracer_overhead.py --threads 1 --models mlp cnn transformer
     .venv/bin/python benchmarks/tracer_overhead.py --threads 1 --models cnn --breakdown   # option by option
+    .venv/bin/python benchmarks/tracer_overhead.py --threads 1 --rounds 15 --floor       # beside the floor
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ DEFAULT, FULL, FULL_NO_ACTIVATIONS = (
 FULL_EXACT = "GradTracer full, exact histograms (histogram_sample=None)"
 TENSORBOARD = "TensorBoard recipe (gradient + weight histograms, gradient norms)"
 NAIVE = "naive NumPy monitor (information)"
+FLOOR = "full mode's tensor passes alone, no bookkeeping (information: the floor)"
 # The traced variants: label -> GradTracer options
 TRACED = {
     DEFAULT: {},
@@ -89,6 +94,8 @@ BREAKDOWN = {
     "update_ratio only": {"update_ratio": True},
 }
 HISTC_BINS = 32  # GradTracer's default histogram_bins
+# GradTracer reduces a CPU gradient this many values at a time (labkit/tracers/_reductions.py, _CHUNK)
+TRACER_CHUNK = 2**17
 
 
 @dataclass
@@ -204,6 +211,79 @@ def tensorboard_recipe(writer) -> Callable[[nn.Module], None]:
     return log
 
 
+class TensorPassesOnly:
+    """Full mode's tensor work and nothing else (``--floor``): what full statistics every step cost
+    with these torch ops before any of GradTracer's bookkeeping, so the floor that no rearrangement
+    of that bookkeeping goes below (issue #36). Per gradient, in its post-accumulate-grad hook, the
+    passes GradTracer makes chunk by chunk (the signs into a buffer kept in cache, g . g, sum g, min,
+    max, sign(g) . g, sign(g) . sign(g)) and the gather of the histogram's sample; per leaf module
+    output, its sum and sum of squares (and a ReLU's per-unit sums and which units fired); around the
+    optimizer step, the update:data ratio's copy of the parameters and its norms, then the difference
+    in place and its norms. Left out: binning the samples, batching small gradients, staging per
+    backward, the step's one read-back, its records and alerts."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.params = list(model.parameters())
+        self.handles: list = []
+        self.results: list[torch.Tensor] = []  # kept until the step ends, as GradTracer keeps its sums
+
+    def __enter__(self) -> TensorPassesOnly:
+        self.copies = [param.detach().clone() for param in self.params]
+        self.signs = torch.empty(TRACER_CHUNK)
+        generator = torch.Generator().manual_seed(0)
+        self.positions = {
+            id(param): torch.randint(param.numel(), (HISTOGRAM_SAMPLE,), generator=generator).sort().values
+            for param in self.params if param.numel() > HISTOGRAM_SAMPLE
+        }  # fmt: skip
+        self.handles += [param.register_post_accumulate_grad_hook(self.gradient) for param in self.params]
+        self.handles += [
+            module.register_forward_hook(self.activation)
+            for module in self.model.modules() if next(module.children(), None) is None
+        ]  # fmt: skip
+        self.handles += [self.optimizer.register_step_pre_hook(self.before_update),
+                         self.optimizer.register_step_post_hook(self.after_update)]  # fmt: skip
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def gradient(self, param: torch.Tensor) -> None:
+        flat = param.grad.reshape(-1)
+        for values in flat.split(TRACER_CHUNK):
+            signs = self.signs[: values.numel()]
+            torch.sign(values, out=signs)
+            self.results += (torch.dot(values, values), values.sum(), values.amin(), values.amax(),
+                             torch.dot(signs, values), torch.dot(signs, signs))  # fmt: skip
+        positions = self.positions.get(id(param))
+        self.results.append(flat.clone() if positions is None else flat.index_select(0, positions))
+
+    def activation(self, module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        if not torch.is_grad_enabled():
+            return
+        values = output.detach()
+        flat = values.reshape(-1)
+        if isinstance(module, nn.ReLU) and values.dim() > 1:
+            unit_sums = values.sum(dim=[dim for dim in range(values.dim()) if dim != 1])
+            self.results += (unit_sums.sum(), torch.dot(flat, flat), unit_sums.gt(0))
+        else:
+            self.results += (flat.sum(), torch.dot(flat, flat))
+
+    def before_update(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        with torch.no_grad():
+            for copy_, param in zip(self.copies, self.params):
+                copy_.copy_(param)
+        self.results += [torch.linalg.vector_norm(copy_) for copy_ in self.copies]
+
+    def after_update(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        with torch.no_grad():
+            for copy_, param in zip(self.copies, self.params):
+                copy_.sub_(param)
+        self.results += [torch.linalg.vector_norm(copy_) for copy_ in self.copies]
+        self.results.clear()  # where GradTracer reads the step's numbers back
+
+
 def train_step(variant: Variant, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
     """One optimizer step; returns its (wall-clock, CPU) seconds."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -223,7 +303,7 @@ def time_histc(values: torch.Tensor) -> tuple[float, float]:
 
 def run(
     model_name: str, rounds: int, steps_per_round: int, warmup_rounds: int, optimizer: str,
-    traced: dict[str, dict] = TRACED, with_tensorboard: bool = True,
+    traced: dict[str, dict] = TRACED, with_tensorboard: bool = True, with_floor: bool = False,
 ) -> Run:
     torch.manual_seed(0)
     build, _, shape = MODELS[model_name]
@@ -234,7 +314,8 @@ def run(
         writer, skipped = tensorboard_writer(log_dir) if with_tensorboard else (None, "left out by --no-tensorboard")
         if skipped and with_tensorboard:
             print(f"TensorBoard recipe skipped: {skipped}", flush=True)
-        labels = ["plain", *traced] + ([TENSORBOARD] if writer is not None else []) + [NAIVE]
+        optional_variants = ([FLOOR] if with_floor else []) + ([TENSORBOARD] if writer is not None else [])
+        labels = ["plain", *traced, *optional_variants, NAIVE]
         variants = []
         for label in labels:
             model = copy.deepcopy(reference)
@@ -250,6 +331,8 @@ def run(
             with ExitStack() as stack:
                 for label in traced:
                     stack.enter_context(GradTracer(by_label[label].model, by_label[label].optimizer, **traced[label]))
+                if with_floor:
+                    stack.enter_context(TensorPassesOnly(by_label[FLOOR].model, by_label[FLOOR].optimizer))
                 for round_index in range(warmup_rounds + rounds):
                     shift = round_index % len(variants)
                     for variant in variants[shift:] + variants[:shift]:
@@ -321,6 +404,8 @@ def report(
             for label in HELD_TO_FULL_TARGETS
             if (label, clock) in median_ratio
         ]
+        if (FLOOR, clock) in median_ratio:
+            lines.append(floor_line(median_ratio[FLOOR, clock], median_ratio[FULL, clock], clock))
     lines += histogram_cost(result, model_name)
     return "\n".join(lines)
 
@@ -340,6 +425,14 @@ def full_verdict(label: str, ratio: float, tensorboard_ratio: float | None, naiv
             f"(target <= {TARGET_FULL_OVER_TENSORBOARD}): {'met' if fraction <= TARGET_FULL_OVER_TENSORBOARD else 'NOT met'}; "
         )
     return line + f"naive monitor {naive_ratio:.3f}x (information, fewer statistics: not a target)"
+
+
+def floor_line(floor_ratio: float, full_ratio: float, clock: str) -> str:
+    return (
+        f"{clock}: full mode's tensor passes alone {floor_ratio:.3f}x plain (information: the floor of full "
+        f"statistics every step with these ops); {FULL} {full_ratio:.3f}x, so its bookkeeping costs "
+        f"{full_ratio - floor_ratio:+.3f} of a plain step"
+    )
 
 
 def verdict(default_ratio: float, naive_ratio: float, clock: str) -> str:
@@ -403,6 +496,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=["mlp"])
     parser.add_argument("--breakdown", action="store_true",
                         help="time full mode's options one at a time (no target verdicts)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time full mode's tensor passes alone, without GradTracer's bookkeeping (information)")
     parser.add_argument("--no-tensorboard", action="store_true",
                         help="leave TensorBoard's recipe out (the full-mode target against it is then not checked)")
     args = parser.parse_args()
@@ -411,7 +506,8 @@ def main() -> None:
     for model_name in args.models:
         traced = BREAKDOWN if args.breakdown else TRACED
         result = run(model_name, args.rounds, args.steps_per_round, args.warmup_rounds, args.optimizer, traced,
-                     with_tensorboard=not (args.breakdown or args.no_tensorboard))
+                     with_tensorboard=not (args.breakdown or args.no_tensorboard),
+                     with_floor=args.floor and not args.breakdown)
         print()
         table = report(result, model_name, args.optimizer, args.rounds, args.steps_per_round, not args.breakdown)
         print(table, flush=True)

@@ -129,8 +129,8 @@ class GradTracer:
     chunk in cache. ``activations=True`` adds forward hooks on the model's leaf modules
     (`activation_history`); ``update_ratio=True`` (needs the optimizer) records
     ``||p_after - p_before|| / ||p_before||`` per parameter, exactly, from one copy of the
-    parameters kept across steps (a large CPU parameter copied and differenced chunk by chunk,
-    each chunk's norm taken while it is in cache).
+    parameters kept across steps (copied before the step and differenced in place after it, whole
+    tensors at a time: chunk by chunk measured slower, benchmarks/results/tracer_overhead.md).
 
     Alerts (`alerts`): ``missing`` (a parameter that requires grad got none), ``nonfinite``,
     ``exploding`` (norm above ``explode_factor`` times the median of its last ``baseline_steps``
