@@ -5,13 +5,18 @@ labkit's grading session, grad mode, default dtype, deterministic algorithms, ma
 warning filters, an open figure, matplotlib settings, the working folder) sees none of it, in the same
 kernel; and 00_start_here run there after it gives exactly the records of the committed notebook's run,
 which a fresh kernel made and nbval proves fresh in the same `make test`. A kernel that dies fails its
-run and the next run gets a fresh kernel."""
+run and the next run gets a fresh kernel. However deep a run's folder, DataLoader workers under its
+TMPDIR hand their batches over."""
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from notebook_runs import run_on_cpu, stored_run
-from shared_kernel import SESSION_KERNEL, SharedKernel
+from shared_kernel import MULTIPROCESSING_SOCKET_TAIL, SESSION_KERNEL, SharedKernel, scratch_folder
 
 START = Path(__file__).resolve().parents[1] / "notebooks" / "00_start_here.ipynb"
 
@@ -84,3 +89,28 @@ def test_parameters_are_checked_before_a_kernel_starts(tmp_path):
     with pytest.raises(ParameterError, match="parameter steps expects an int"):
         kernel.run(START, tmp_path / "refused", {"steps": "ten", "device": "cpu"}, timeout=60)
     assert kernel.starts == 0 and not (tmp_path / "refused").exists()
+
+
+# Two workers hand over a batch each, through a multiprocessing socket under TMPDIR; in a Python of its own,
+# since multiprocessing keeps the first temp folder a process makes.
+TWO_WORKERS_TWO_BATCHES = (
+    "import torch\n"
+    "from torch.utils.data import DataLoader, TensorDataset\n"
+    "loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4, num_workers=2, timeout=10)\n"
+    "print(len(list(loader)), 'batches')\n"
+)
+LINUX_SOCKET_PATH_MAX_BYTES = 107
+
+
+def test_dataloader_workers_hand_over_their_batches_in_the_scratch_folder_of_a_deep_run_folder(tmp_path):
+    # deeper than 14_data_loading's run folder under pytest-xdist, whose .tmp left no room for the socket
+    out_dir = tmp_path / ("run-" + "x" * 60)
+    out_dir.mkdir()
+    assert len(os.fsencode(f"{out_dir}/.tmp{MULTIPROCESSING_SOCKET_TAIL}")) > LINUX_SOCKET_PATH_MAX_BYTES
+    scratch = scratch_folder(out_dir)
+    try:
+        loaded = subprocess.run([sys.executable, "-c", TWO_WORKERS_TWO_BATCHES], capture_output=True, text=True,
+                                env=dict(os.environ, TMPDIR=str(scratch)), timeout=120)
+    finally:
+        shutil.rmtree(scratch)
+    assert loaded.returncode == 0 and loaded.stdout == "2 batches\n", loaded.stderr[-2000:]
