@@ -9,14 +9,9 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanit
 # TEST_WORKERS=2 runs the unit tests in two processes (pytest-xdist), whole files each, the files with slow
 # tests first (tests/conftest.py); the default, 0, runs them in this process: on 2 cores two processes
 # gained little (779 s against 836 s, benchmarks/results/suite_cost.md), so CI stays sequential.
-# Tests marked `serial` (14's DataLoader tests, which time out beside a second test process) run after the
-# others, alone, and so does nbval, whose notebook 14 starts the same workers.
 TEST_WORKERS ?= 0
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 UNIT_TESTS := tests -q --ignore=tests/browser
-# The files that hold `serial` tests: the serial stage collects only these, not the whole tree again to
-# run two tests. tests/test_makefile_stages.py fails when a `serial` mark appears in a file not listed here.
-SERIAL_TESTS := tests/test_nb14_data_loading.py
 NB ?=
 PREFER ?=
 NAME ?= workbook
@@ -97,14 +92,12 @@ workbook: $(STAMP) ## run every notebook with papermill into runs/$(NAME)/ and w
 
 test: $(STAMP) ## lint, unit tests, nbval over every notebook, then the workbook in a real browser (what CI runs)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial"
-	$(PY) -m pytest $(SERIAL_TESTS) -q -m serial
+	$(PY) -m pytest $(UNIT_TESTS) $(PARALLEL)
 	$(PY) -m pytest notebooks -q $(NBVAL)
 	$(MAKE) --no-print-directory test-browser
 
 test-unit: $(STAMP) ## only the unit tests
-	$(PY) -m pytest $(UNIT_TESTS) $(PARALLEL) -m "not serial"
-	$(PY) -m pytest $(SERIAL_TESTS) -q -m serial
+	$(PY) -m pytest $(UNIT_TESTS) $(PARALLEL)
 
 # Not in make test (minutes, and a venv of its own): the issue-40 acceptance, benchmarks/results/colab_install.md.
 test-colab: $(STAMP) ## a Colab-like venv (torch, numpy, pandas imported first): 00's first cell installs labkit beside them, then 00 runs
@@ -131,8 +124,7 @@ $(COMPAT_STAMP): pyproject.toml constraints-latest.txt
 	@touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP) ## unit tests and nbval on the newest releases (Python 3.12, constraints-latest.txt, ~3 GB; COMPAT_UNIT=instruments: the instruments' tests only)
-	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(COMPAT_UNIT_TESTS) $(PARALLEL) -m "not serial and not lock_only"
-	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(SERIAL_TESTS) -q -m serial
+	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(COMPAT_UNIT_TESTS) $(PARALLEL) -m "not lock_only"
 	$(COMPAT_ENV) $(COMPAT_VENV)/bin/python -m pytest $(if $(NB),notebooks/$(NB)*.ipynb,notebooks) -q $(NBVAL)
 
 compat-verified: ## after changing constraints-latest.txt: make test-compat whole, then record in .ci/compat-verified the lock it passed on

@@ -11,8 +11,8 @@ the history), labkit imported afresh (its kernel-side state, the grading session
 registry, lives in its modules), the warning filters the kernel started with, no open figure,
 matplotlib's and torch's global settings at their defaults (grad mode, default dtype, deterministic
 algorithms, matmul precision, threads, torch.compile's caches), and the run's own folder as working
-folder and TMPDIR, as `labkit.runner` gives its child (TMPDIR moves to the temp folder where the run folder
-is too deep for a Unix socket under it: `scratch_folder`). torch and the other third-party modules stay
+folder and its scratch folder as TMPDIR, as `labkit.runner` gives its child (`labkit.runner.paths.run_scratch`:
+reached through a short link where the run folder is too deep for a Unix socket under it). torch and the other third-party modules stay
 imported: that is what is saved. tests/test_shared_kernel.py proves that a run after another run in
 this kernel sees none of what that run changed, and that 00_start_here run there gives exactly the
 records of a fresh kernel's run (the committed notebook's, which nbval proves fresh).
@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,21 +34,12 @@ from pathlib import Path
 from labkit import runner
 from labkit.notebooks import KERNELSPEC
 from labkit.records import CLAIM_MIME, METRIC_MIME, stored_records
-from labkit.runner.paths import inside, require_empty_folder
+from labkit.runner.paths import inside, require_empty_folder, run_scratch
 from labkit.runner.rerun_parameters import validate_parameters
 from labkit.runner.run import SCRATCH_FOLDER
 
 KERNEL_READY_S = 120
 RESET_S = 120
-# A Unix socket's path holds at most 107 bytes on Linux (sun_path is 108 with its NUL; 103 on macOS). A
-# DataLoader worker hands each batch's shared memory over through a socket multiprocessing binds at
-# <TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX; where that path is too long the bind fails in the worker's
-# queue feeder thread, which prints "AF_UNIX path too long" and drops the batch, and the loader waits out
-# its timeout: 14_data_loading's "DataLoader timed out after 60 seconds" under pytest-xdist, whose
-# popen-gwN/ folder made that socket's path under the run folder's .tmp 108 bytes long from
-# /tmp/pytest-of-root/pytest-10 on (pytest numbers its folders on, session after session).
-SOCKET_PATH_MAX_BYTES = 103  # the smaller of the two
-MULTIPROCESSING_SOCKET_TAIL = "/pymp-XXXXXXXX/listener-XXXXXXXX"
 
 # Run once in a new kernel: what `RESET` restores later, kept in a module, which IPython's reset leaves alone.
 # The notebook's inline backend is loaded first, as a fresh kernel loads it at its first figure (and
@@ -95,17 +83,6 @@ get_ipython().reset(new_session=True)
 """
 
 
-def scratch_folder(out_dir: Path) -> Path:
-    """A new folder for the run's TMPDIR: out_dir/.tmp, as `labkit.runner` gives its child, where the sockets
-    multiprocessing makes under it fit a Unix socket path; else a folder of this process's temp folder. Either
-    way `run` removes it when the run ends."""
-    in_run_folder = inside(out_dir, out_dir / SCRATCH_FOLDER)
-    if len(os.fsencode(f"{in_run_folder}{MULTIPROCESSING_SOCKET_TAIL}")) <= SOCKET_PATH_MAX_BYTES:
-        in_run_folder.mkdir()
-        return in_run_folder
-    return Path(tempfile.mkdtemp(prefix="labkit-run-"))
-
-
 class KernelFault(RuntimeError):
     """The shared kernel could not be started or reset."""
 
@@ -128,23 +105,21 @@ class SharedKernel:
         parameters = validate_parameters(notebook, parameters)
         out_dir = require_empty_folder(out_dir, "run folder")
         output = inside(out_dir, out_dir / notebook.name)
-        scratch = scratch_folder(out_dir)
         started = time.perf_counter()
         status, error = "ok", ""
-        try:
-            self._reset(out_dir, scratch)
-            papermill.execute_notebook(str(notebook), str(output), parameters=parameters, km=self._manager,
-                                       kernel_name=KERNELSPEC["name"], execution_timeout=int(timeout),
-                                       progress_bar=False, log_output=False)
-        except papermill.PapermillExecutionError as failure:
-            first_line = failure.source.strip().splitlines()[0] if failure.source.strip() else ""
-            status, error = "failed", (f"{notebook.name}: cell {failure.cell_index} ({first_line!r}) raised "
-                                       f"{failure.ename}: {failure.evalue}")
-        except (CellTimeoutError, DeadKernelError, KernelFault, RuntimeError, TimeoutError) as fault:
-            self.shutdown()  # the next run gets a fresh kernel
-            status, error = "failed", f"{notebook.name}: the shared kernel failed: {type(fault).__name__}: {fault}"
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        with run_scratch(inside(out_dir, out_dir / SCRATCH_FOLDER)) as scratch:
+            try:
+                self._reset(out_dir, scratch)
+                papermill.execute_notebook(str(notebook), str(output), parameters=parameters, km=self._manager,
+                                           kernel_name=KERNELSPEC["name"], execution_timeout=int(timeout),
+                                           progress_bar=False, log_output=False)
+            except papermill.PapermillExecutionError as failure:
+                first_line = failure.source.strip().splitlines()[0] if failure.source.strip() else ""
+                status, error = "failed", (f"{notebook.name}: cell {failure.cell_index} ({first_line!r}) raised "
+                                           f"{failure.ename}: {failure.evalue}")
+            except (CellTimeoutError, DeadKernelError, KernelFault, RuntimeError, TimeoutError) as fault:
+                self.shutdown()  # the next run gets a fresh kernel
+                status, error = "failed", f"{notebook.name}: the shared kernel failed: {type(fault).__name__}: {fault}"
         result = runner.RunResult(notebook.stem, status, round(time.perf_counter() - started, 1), str(output),
                                   parameters, error)
         if output.exists():

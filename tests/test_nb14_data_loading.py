@@ -16,11 +16,6 @@ import pytest
 from notebook_runs import run_student_edition_on_cpu, stored_run
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "14_data_loading.ipynb"
-# Marked serial when the notebook's DataLoader hit its 60 s limit under pytest-xdist (3 of 6 runs). The
-# cause was not the second process but the run folder's depth: under popen-gwN/ it left no room in a Unix
-# socket's path for the one each worker hands a batch over through, so every batch was dropped
-# (tests/shared_kernel.py, `scratch_folder`, which now keeps TMPDIR short enough).
-pytestmark = pytest.mark.serial
 SMALL = {"seed": 5, "samples": 64, "batch_size": 32, "epochs": 1, "noisy_samples": 16, "worker_counts": [0, 4]}
 
 

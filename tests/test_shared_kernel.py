@@ -9,14 +9,16 @@ run and the next run gets a fresh kernel. However deep a run's folder, DataLoade
 TMPDIR hand their batches over."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from notebook_runs import run_on_cpu, stored_run
-from shared_kernel import MULTIPROCESSING_SOCKET_TAIL, SESSION_KERNEL, SharedKernel, scratch_folder
+from shared_kernel import SESSION_KERNEL, SharedKernel
+
+from labkit.runner.paths import MULTIPROCESSING_SOCKET_TAIL, run_scratch
+from labkit.runner.run import SCRATCH_FOLDER
 
 START = Path(__file__).resolve().parents[1] / "notebooks" / "00_start_here.ipynb"
 
@@ -91,26 +93,27 @@ def test_parameters_are_checked_before_a_kernel_starts(tmp_path):
     assert kernel.starts == 0 and not (tmp_path / "refused").exists()
 
 
-# Two workers hand over a batch each, through a multiprocessing socket under TMPDIR; in a Python of its own,
-# since multiprocessing keeps the first temp folder a process makes.
+# Two workers hand over a batch each, through a multiprocessing socket under TMPDIR, and say where their temp
+# folder really lies; in a Python of its own, since multiprocessing keeps the first temp folder a process makes.
 TWO_WORKERS_TWO_BATCHES = (
-    "import torch\n"
+    "import os, tempfile, torch\n"
     "from torch.utils.data import DataLoader, TensorDataset\n"
     "loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4, num_workers=2, timeout=10)\n"
-    "print(len(list(loader)), 'batches')\n"
+    "print(len(list(loader)), 'batches in', os.path.realpath(tempfile.gettempdir()))\n"
 )
 LINUX_SOCKET_PATH_MAX_BYTES = 107
 
 
 def test_dataloader_workers_hand_over_their_batches_in_the_scratch_folder_of_a_deep_run_folder(tmp_path):
-    # deeper than 14_data_loading's run folder under pytest-xdist, whose .tmp left no room for the socket
+    # deeper than 14_data_loading's run folder under pytest-xdist, whose .tmp left no room for the socket (the
+    # bind failed in the workers' feeder threads, every batch was dropped: "DataLoader timed out")
     out_dir = tmp_path / ("run-" + "x" * 60)
     out_dir.mkdir()
-    assert len(os.fsencode(f"{out_dir}/.tmp{MULTIPROCESSING_SOCKET_TAIL}")) > LINUX_SOCKET_PATH_MAX_BYTES
-    scratch = scratch_folder(out_dir)
-    try:
+    folder = out_dir / SCRATCH_FOLDER
+    assert len(os.fsencode(f"{folder}{MULTIPROCESSING_SOCKET_TAIL}")) > LINUX_SOCKET_PATH_MAX_BYTES
+    with run_scratch(folder) as scratch:
         loaded = subprocess.run([sys.executable, "-c", TWO_WORKERS_TWO_BATCHES], capture_output=True, text=True,
                                 env=dict(os.environ, TMPDIR=str(scratch)), timeout=120)
-    finally:
-        shutil.rmtree(scratch)
-    assert loaded.returncode == 0 and loaded.stdout == "2 batches\n", loaded.stderr[-2000:]
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout == f"2 batches in {folder.resolve()}\n"  # the files lie in the run folder all the same
+    assert not folder.exists() and not scratch.exists() and not scratch.is_symlink()

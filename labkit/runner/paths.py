@@ -9,15 +9,20 @@ sweep points with equal values) never share one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
 import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
 from labkit.errors import LabkitError
 
-__all__ = ["folder_name", "inside", "new_folder", "new_run_folder", "require_empty_folder", "safe_name"]
+__all__ = ["folder_name", "inside", "new_folder", "new_run_folder", "require_empty_folder", "run_scratch", "safe_name"]
 
 STAMP_FORMAT = "%Y%m%dT%H%M%S"
 SUFFIX_BYTES = 2  # 4 hex characters after the stamp: runs started in one second still get their own folder
@@ -26,6 +31,12 @@ HASH_CHARS = 6
 # Characters kept as they are in a folder name; anything else (a separator, `..`'s dots next to
 # each other, spaces, quotes, control characters) becomes `_`.
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.+-]|\.{2,}")
+# A Unix socket's path holds at most 107 bytes on Linux and 103 on macOS. multiprocessing binds one under
+# TMPDIR for every batch a DataLoader worker hands over; past the limit the bind fails in the worker's
+# feeder thread, the batch is dropped and the loader waits out its timeout.
+SOCKET_PATH_MAX_BYTES = 103
+MULTIPROCESSING_SOCKET_TAIL = "/pymp-XXXXXXXX/listener-XXXXXXXX"
+SCRATCH_LINK_PREFIX = "labkit-run-"
 
 
 def folder_name(values: dict) -> str:
@@ -106,3 +117,31 @@ def require_empty_folder(folder: str | Path, what: str = "output folder") -> Pat
         )
     folder.mkdir(parents=True, exist_ok=True)
     return folder.resolve()
+
+
+@contextlib.contextmanager
+def run_scratch(folder: Path) -> Iterator[Path]:
+    """The run's temporary folder, ``folder`` (new, inside its run folder), as the path to give as TMPDIR;
+    removed when the run ends.
+
+    Where ``folder`` is too deep for the Unix sockets multiprocessing binds under TMPDIR, the path given is a
+    link of the system's temp folder (``labkit-run-...``) to it: the files still lie in the run folder, and
+    the link goes with them.
+    """
+    folder.mkdir()
+    link = None
+    try:
+        if _socket_fits(folder):
+            yield folder
+            return
+        link = Path(tempfile.gettempdir()) / f"{SCRATCH_LINK_PREFIX}{secrets.token_hex(4)}"
+        link.symlink_to(folder, target_is_directory=True)
+        yield link
+    finally:
+        if link is not None:
+            link.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _socket_fits(folder: Path) -> bool:
+    return len(os.fsencode(f"{folder}{MULTIPROCESSING_SOCKET_TAIL}")) <= SOCKET_PATH_MAX_BYTES

@@ -5,7 +5,8 @@ stops papermill, its kernel and the kernel's own processes (`processes.stop_tree
 executed notebook is kept, and the failure names the cell it stopped in. Everything the run writes
 lies under its folder (`paths.inside`), which must be new or empty; its temporary files (the
 kernel's connection file, torch's inductor cache, compiler scratch, `run_ranks` folders) go to a
-scratch folder inside it, removed when the run ends.
+scratch folder inside it (`paths.run_scratch`, reached through a short link where the folder is too deep
+for a Unix socket under it), removed when the run ends.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import math
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import threading
@@ -29,7 +29,7 @@ from labkit.notebooks import KERNELSPEC, select_notebooks, stamp_notebook
 from labkit.probes import fingerprint
 from labkit.records import CLAIM_MIME, METRIC_MIME, read_notebook_json, stored_records
 from labkit.runner import _papermill_child
-from labkit.runner.paths import inside, require_empty_folder
+from labkit.runner.paths import inside, require_empty_folder, run_scratch
 from labkit.runner.processes import RUN_TAG_VARIABLE, stop_tree
 from labkit.runner.rerun_parameters import validate_parameters
 
@@ -130,9 +130,8 @@ def _papermill(path: Path, output: Path, cwd: Path, params: dict, timeout: float
     command = [sys.executable, "-P", str(Path(_papermill_child.__file__)), str(path), str(output), str(cwd),
                KERNELSPEC["name"], str(int(cell_timeout)), json.dumps(params)]
     log = inside(cwd, cwd / f"{path.stem}.log")
-    scratch = inside(cwd, cwd / SCRATCH_FOLDER)
     tag = secrets.token_hex(8)
-    try:
+    with run_scratch(inside(cwd, cwd / SCRATCH_FOLDER)) as scratch:
         env = _run_environment(scratch, threads, tag)
         with log.open("w") as log_file:
             # A session of its own: a Ctrl-C in the terminal reaches only this process, which then
@@ -143,8 +142,6 @@ def _papermill(path: Path, output: Path, cwd: Path, params: dict, timeout: float
                 ended = _wait(process, timeout, stop)
             finally:  # also on KeyboardInterrupt; after a normal end it catches the kernel's orphans
                 _stop_despite_interrupts(process, tag)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     if ended == "timeout":
         return "failed", f"{path.name}: timed out after {timeout:g} s{_last_cell(output)}; {_kept(output)}"
     if ended == "stopped":

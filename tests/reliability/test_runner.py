@@ -27,7 +27,7 @@ from labkit import LabkitError
 from labkit.__main__ import INTERRUPTED_EXIT, main
 from labkit.distributed import SCRATCH_PREFIX, run_ranks
 from labkit.runner import processes, run_notebook
-from labkit.runner.paths import folder_name
+from labkit.runner.paths import SCRATCH_LINK_PREFIX, folder_name
 from labkit.runner.processes import stop_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,8 +54,9 @@ elif mode == "sleep":
     time.sleep(300)
 elif mode == "die":
     os.kill(os.getpid(), signal.SIGKILL)
-json.dump({"tmp": tempfile.gettempdir(), "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-           "runtime": os.environ.get("JUPYTER_RUNTIME_DIR"), "value": value, "label": label},
+real = os.path.realpath  # a run folder too deep for a Unix socket under it is reached through a short link
+json.dump({"tmp": real(tempfile.gettempdir()), "inductor": real(os.environ.get("TORCHINDUCTOR_CACHE_DIR")),
+           "runtime": real(os.environ.get("JUPYTER_RUNTIME_DIR")), "value": value, "label": label},
           open("where.json", "w"))
 """
 # How a failure message quotes the scratch notebook's code cell (its first line; the parameters are cell 0).
@@ -346,8 +347,10 @@ def test_temporary_files_and_the_inductor_cache_live_in_the_run_folder_and_are_r
     for folder in folders:
         where = json.loads((folder / "where.json").read_text())
         for key in ("tmp", "inductor", "runtime"):
-            assert Path(where[key]).is_relative_to(folder), (key, where[key])
+            assert Path(where[key]).is_relative_to(folder.resolve()), (key, where[key])
         assert not (folder / ".tmp").exists()
+    links = [Path(os.readlink(link)) for link in Path(tempfile.gettempdir()).glob(f"{SCRATCH_LINK_PREFIX}*")]
+    assert not [link for link in links if any(link.is_relative_to(folder.resolve()) for folder in folders)]
 
 
 @pytest.mark.trial("R16")
