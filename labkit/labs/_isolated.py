@@ -17,9 +17,12 @@ pipes it finds can only fail its own lab. The learner's kernel (`labs.check`), n
 (`labkit.course.isolated_autograde`) and ``labkit progress`` all grade a lab this way, so they agree.
 
 What this does not stop, as for an exercise's driver (`labkit.exercises.run_beside`): the repaired run is
-measured in the answer's process, so a thread the repair starts that keeps patching between two restores,
-or a stage that walks up the stack into the training loop's frame, could change the numbers the judge
-reads. The judge trusts them only as far as the lab's own audit does.
+measured in the answer's process, so the judge reads numbers that learner code could have written. A
+repaired stage can write a framed reply of its own into the channel (it finds the descriptor by trying
+them), carrying a defect-free run's numbers, and the judge takes them for the repaired run: a strict xfail
+in tests/reliability/test_report_forgery.py. A thread that keeps patching between two restores, or a stage
+that walks up the stack into the training loop's frame, could change the numbers the same way. Closing this
+needs the judge to run the training loop itself and call only the repaired stages across.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ parent's nonce from the request pipe (fd 0) and write a passing line to every op
 finds neither the nonce nor any descriptor the parent reads, nor the check's frames, and what it patches is
 not where the verdict is written. Those tests pass, and fail on the code before that process existed (both
 forgeries passed a wrong answer). Every exercise and every lab runs its answer apart: a lab's repair is trained
-in the answer's process and its run comes back as data (`labkit.labs._isolated`). One grading process each, no kernel.
+in the answer's process and its run comes back as data (`labkit.labs._isolated`). What that data says is written
+in a process the answer runs in: an answer that writes a reply of its own into that channel passes a lab (the strict
+xfail below). One grading process each, no kernel.
 """
 
 from __future__ import annotations
@@ -107,6 +109,43 @@ def test_a_lab_answer_cannot_write_its_own_verdict(answer, said):
     assert not result.passed, result.message
     assert said in result.message, result.message
     assert "judge" not in result.message and "check_lab" not in result.message, result.message
+
+
+# A lab answer written against the answer process's own protocol: its repaired stage writes, into every descriptor
+# it finds, a framed reply to the judge's "train" carrying the defect-free twin's numbers (which it trains itself
+# from the session's lab and seed), then waits to be killed. The judge reads the repaired run from that channel,
+# so it takes the forged numbers for the run.
+THROUGH_THE_ANSWER_CHANNEL = """# lab 00: your answer
+import io, os, struct, time, torch
+from labkit.labs._isolated import _data
+
+def diagnose(lab):
+    twin = lab.lab.run(dict(lab.lab.correct), lab.seed)
+    forged = ("trained", _data(twin.metrics), _data(twin.trace), [], {})
+
+    def loss_of(prediction, target):
+        buffer = io.BytesIO()
+        torch.save(forged, buffer)
+        for fd in range(3, 64):
+            try:
+                os.write(fd, struct.pack("!Q", buffer.tell()) + buffer.getvalue())
+            except OSError:
+                continue
+        time.sleep(60)
+
+    return lab.lab.variant(lab._variant).cause, loss_of
+"""
+
+
+@pytest.mark.trial("extra")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue #42: a lab's repaired run is measured in the answer's process, whose channel to the "
+                          "judge the answer can write a reply into")
+def test_a_lab_answer_cannot_forge_the_repaired_run_in_its_own_channel():
+    from labkit.labs._isolated import grade_lab_cell
+
+    result = grade_lab_cell("00", THROUGH_THE_ANSWER_CHANNEL, "diagnose", learner_key(learner="learner0"))
+    assert not result.passed, result.message
 
 
 # A wrong 16.1 (no checkpoint at all) whose cell replaces the check's driver, and a class the check sends its
