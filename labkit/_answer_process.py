@@ -11,7 +11,10 @@ module and optimizer among the arguments, saved with `torch.save` and read with 
 (tensors, numbers, strings and containers; no class of the sender's choosing, so nothing in a reply runs
 code in the judge). The judge copies that state into its own arguments and returns the result to the
 check. So a cell that patches the checker, an encoder, torch or labkit, reads the nonce, or writes to any
-descriptor it can find changes only its own process, which reports nothing the parent trusts.
+descriptor it can find changes only its own process: the parent trusts nothing it reports, and the check takes
+from it the answer's own results, and the facts a driver or the backward pass notes there, which an answer written
+against them can change (it can walk up to the driver's frame: issue #42, a strict xfail in
+tests/reliability/test_report_forgery.py).
 
 A reply names an argument by its place instead of copying it, so a check that tests identity (a returned
 tensor that *is* the one passed in) still can. An exception comes back as its type's name and message; an

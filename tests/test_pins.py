@@ -184,6 +184,13 @@ def test_ci_runs_the_readme_test_commands_on_both_locks():
     assert commands == ["test", "test-compat", "test-uv"]
 
 
+@pytest.mark.lock_only  # repository text
+def test_make_test_compat_installs_with_the_uv_the_uv_test_pins():
+    (compat,) = re.findall(r"^COMPAT_UV_REQUIREMENT := (\S+)$", (ROOT / "Makefile").read_text(), flags=re.M)
+    (tested,) = re.findall(r'^UV = "([^"]+)"', (ROOT / "tests" / "test_uv_sync.py").read_text(), flags=re.M)
+    assert compat == tested, "make test-compat and tests/test_uv_sync.py install different uv releases"
+
+
 @pytest.mark.lock_only  # repository text; and make compat-verified runs test-compat before it writes the record
 def test_the_newest_release_lock_passed_make_test_compat_whole():
     # CI runs only the instruments' unit tests on the newest releases (.ci/run): the rest ran when the lock changed

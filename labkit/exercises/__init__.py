@@ -190,8 +190,8 @@ def run_beside(function: Callable, driver: Callable, *args):
     hooks) or drive what the answer set up (hooks it registered, handles it returned): ``driver`` is a
     module-level function of the check module (it crosses by name), returns data (numbers, tensors,
     lists, dicts) and may raise `NotYet`; what the answer raises is the answer's, as with a plain call.
-    Where the answer runs apart, what ``driver`` reads there could be forged by the answer: the check
-    compares what comes back with what it computed itself wherever it can."""
+    Where the answer runs apart, what ``driver`` reads there could be forged by the answer (it can reach the
+    driver's frame): the check compares what comes back with what it computed itself wherever it can."""
     across = getattr(function, "run_beside", None)
     if across is not None:
         return across(driver, args)

@@ -8,8 +8,9 @@ finds neither the nonce nor any descriptor the parent reads, nor the check's fra
 not where the verdict is written. Those tests pass, and fail on the code before that process existed (both
 forgeries passed a wrong answer). Every exercise and every lab runs its answer apart: a lab's repair is trained
 in the answer's process and its run comes back as data (`labkit.labs._isolated`). What that data says is written
-in a process the answer runs in: an answer that writes a reply of its own into that channel passes a lab (the strict
-xfail below). One grading process each, no kernel.
+in a process the answer runs in: an answer that writes a reply of its own into that channel passes a lab, and one
+that walks up the stack to a check's driver empties what the driver noted and passes 13.1 (two strict xfails below).
+One grading process each, no kernel.
 """
 
 from __future__ import annotations
@@ -146,6 +147,33 @@ def test_a_lab_answer_cannot_forge_the_repaired_run_in_its_own_channel():
 
     result = grade_lab_cell("00", THROUGH_THE_ANSWER_CHANNEL, "diagnose", learner_key(learner="learner0"))
     assert not result.passed, result.message
+
+
+# 13.1's planted bug (a running total of loss tensors keeps every batch's graph alive) that walks up the stack to
+# the check's driver and empties the list where it noted the stale graphs, then returns a float.
+THROUGH_THE_DRIVERS_FRAME = """# exercise 13.1
+import sys
+def mean_validation_loss(model, batches):
+    total = 0
+    for x, y in batches:
+        total = total + F.cross_entropy(model(x), y)
+    frame = sys._getframe(1)
+    while "stale" not in frame.f_locals:
+        frame = frame.f_back
+    frame.f_locals["stale"].clear()
+    value = (total / len(batches)).item()
+    del total
+    return value
+"""
+
+
+@pytest.mark.trial("extra")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue #42: a driver's facts are noted in the answer's process, where the answer can reach "
+                          "the driver's frame")
+def test_an_answer_apart_cannot_change_what_its_driver_noted():
+    result = grading.grade_cell("13.1", THROUGH_THE_DRIVERS_FRAME, "mean_validation_loss")
+    assert not result.passed and "was still alive" in result.message, result.message
 
 
 # A wrong 16.1 (no checkpoint at all) whose cell replaces the check's driver, and a class the check sends its
