@@ -325,11 +325,17 @@ def test_a_scheduler_killed_mid_sweep_fails_its_points_and_the_table_is_written(
     worker = subprocess.Popen([*dask, "worker", "--nthreads", "1", "--no-dashboard", "--scheduler-file",
                                str(scheduler_file)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = tmp_path / "sweep"
+    # After the kill the sweep waits --connect-timeout for distributed to reconnect; 10 s instead of 30 keeps the
+    # test short, and waiting for the scheduler's file first leaves those 10 s to the connection, not to its start.
     command = [sys.executable, "-m", "labkit", "repro", str(nb), "--sweep", "hold=1,2", "--cluster",
-               str(scheduler_file), "--connect-timeout", "30", "--out", str(out)]
+               str(scheduler_file), "--connect-timeout", "10", "--out", str(out)]
+    sweep = None
     try:
-        sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 240
+        while not scheduler_file.exists():
+            assert scheduler.poll() is None and time.monotonic() < deadline, "the scheduler did not start"
+            time.sleep(0.2)
+        sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while not list(ready.iterdir()):
             assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
             time.sleep(0.2)
@@ -337,7 +343,7 @@ def test_a_scheduler_killed_mid_sweep_fails_its_points_and_the_table_is_written(
         stdout, stderr = sweep.communicate(timeout=300)
     finally:
         leftovers = psutil.Process(worker.pid).children(recursive=True) if worker.poll() is None else []
-        for process in [*leftovers, scheduler, worker, sweep]:  # the worker's point's kernel sleeps on
+        for process in [*leftovers, scheduler, worker, *([sweep] if sweep else [])]:  # the point's kernel sleeps on
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                 process.kill()
     assert sweep.returncode == 1, (stdout, stderr)
