@@ -4,7 +4,8 @@ The test makes the room as an instructor does (`labkit.course.workshop.add_learn
 only its learner can open and a hub password each, in a group of the test's own) and removes the accounts at
 the end, whatever happened. The hub starts from the shipped configuration, authenticator included, with its
 ports, course, room and group set through the environment; it runs as root, as `sudo make workshop` and CI
-do. Both learners log in with their own password through the hub's REST API and then use their own
+do, from a copy of the checkout (labkit, workshop/ and a solution notebook), which it closes to the learners as it
+would the instructor's; the checkout the tests run from keeps its modes. Both learners log in with their own password through the hub's REST API and then use their own
 hub-spawned server, as JupyterLab does in a browser:
 - the hub starts each server under the learner's account, which first copies the course's release into the
   learner's home;
@@ -62,6 +63,10 @@ from tornado.httpclient import HTTPRequest  # noqa: E402
 from tornado.websocket import websocket_connect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# The hub runs from a copy of the checkout (`copy_checkout`), never from this one: it closes the checkout it runs
+# from to other accounts (workshop.lock_checkout), and a test run stopped before its teardown left this checkout
+# closed, so that the next run's learners could not start this venv's Python (a 500 from the hub's API).
+CHECKOUT_COPY = "checkout"
 NOTEBOOK = ROOT / "notebooks" / "00_start_here.ipynb"
 ASSIGNMENT = "ps1"
 # Names of this run only (a Unix account each, removed at the end): ada answers, bo leaves the release as is.
@@ -289,7 +294,7 @@ def probe_for(room: Room, learner: str) -> str:
     other = next(name for name in LEARNERS if name != learner)
     targets = {"the other learner's home": room.room / "learners" / other,
                "the course's sources": room.course / "source" / ASSIGNMENT / NOTEBOOK.name,
-               "the checkout's solutions": NOTEBOOK,  # PG8: found from labkit.__file__
+               "the checkout's solutions": hub_checkout(room) / "notebooks" / NOTEBOOK.name,  # PG8: beside labkit
                "the gradebook": room.course / "gradebook.db",
                "the hub's cookie secret": room.room / "jupyterhub_cookie_secret",
                "the hub's database": room.room / workshop.HUB_DATABASE}
@@ -348,12 +353,13 @@ def submit_as_someone_else(room: Room, learner: str, victim: str, *claim: str) -
 def start_hub(course: Path, folder: Path, args: list[str], env: dict[str, str], started: float) -> Room:
     """The shipped configuration in a process group of its own, on free loopback ports (``args``: overrides)."""
     port = free_port()
-    env = {**os.environ, "GRADIENTLAB_COURSE": str(course), "GRADIENTLAB_ROOM": str(folder),
+    copy = folder.parent / CHECKOUT_COPY
+    env = {**os.environ, "GRADIENTLAB_COURSE": str(course), "GRADIENTLAB_ROOM": str(folder), "GRADIENTLAB_PROXY": str(PROXY),
            "GRADIENTLAB_LEARNERS_GROUP": GROUP, "GRADIENTLAB_HUB_PORT": str(port),
            "GRADIENTLAB_HUB_API_PORT": str(free_port()), "GRADIENTLAB_PROXY_API_PORT": str(free_port()), **env}
     log = folder.parent / f"{folder.name}-hub.log"
     with log.open("w") as sink:
-        hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(ROOT / "workshop" / "jupyterhub_config.py"),
+        hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(copy / "workshop" / "jupyterhub_config.py"),
                                 *args], cwd=folder.parent, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                start_new_session=True)
     return Room(f"http://127.0.0.1:{port}", course, folder, hub, log, started)
@@ -364,12 +370,12 @@ def accounts():
     """A folder other accounts may pass through (pytest's own are root's alone), and the room's learners, a
     Unix account and a password each; the accounts, their group and the folder go at the end, whatever happened."""
     base = Path(tempfile.mkdtemp(prefix="gradientlab-workshop-"))
-    # This Python may live in root's home (pyenv): the learners' servers run it, so its folders let them pass
-    # for the test (o+x: pass, not list), and get their modes back after it.
-    closed = {folder: stat.S_IMODE(folder.stat().st_mode) for path in (base, Path(sys.executable).resolve(), ROOT)
+    copy_checkout(base / CHECKOUT_COPY)
+    # This Python may live in root's home (pyenv), its venv in this checkout: the learners' servers run it, so its
+    # folders let them pass for the test (o+x: pass, not list), and get their modes back after it.
+    venv = Path(sys.executable).parent
+    closed = {folder: stat.S_IMODE(folder.stat().st_mode) for path in (base, Path(sys.executable).resolve(), venv)
               for folder in [path, *path.parents] if folder.is_dir() and not folder.stat().st_mode & stat.S_IXOTH}
-    # the hub closes this checkout's solutions to the learners (workshop.lock_checkout): its modes come back too
-    checkout = {entry: stat.S_IMODE(entry.lstat().st_mode) for entry in ROOT.iterdir() if not entry.is_symlink()}
     try:
         for folder, mode in closed.items():
             folder.chmod(mode | 0o001)
@@ -380,10 +386,37 @@ def accounts():
         for learner in LEARNERS:
             subprocess.run(["userdel", learner], capture_output=True)
         subprocess.run(["groupdel", GROUP], capture_output=True)
-        for folder, mode in {**checkout, **closed}.items():
+        for folder, mode in closed.items():
             folder.chmod(mode)
         shutil.rmtree(base)
     assert not {learner for learner in LEARNERS if _account_exists(learner)}, "a learner's account was left behind"
+    assert checkout_modes() == CHECKOUT_MODES, "the hub changed the modes of the checkout the tests run from"
+
+
+def checkout_modes() -> dict[Path, int]:
+    return {entry: stat.S_IMODE(entry.lstat().st_mode) for entry in ROOT.iterdir() if not entry.is_symlink()}
+
+
+CHECKOUT_MODES = checkout_modes()
+
+
+def copy_checkout(copy: Path) -> None:
+    """What the hub needs of a checkout (labkit, workshop, pyproject.toml) and the solution notebook it must close,
+    copied to ``copy``: the hub closes the checkout it runs from, and the learners import labkit from there."""
+    copy.mkdir()
+    untracked = shutil.ignore_patterns("__pycache__", "node_modules", "room")
+    for folder in ("labkit", "workshop"):
+        shutil.copytree(ROOT / folder, copy / folder, ignore=untracked)
+    shutil.copy2(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    (copy / "notebooks").mkdir()
+    shutil.copy2(NOTEBOOK, copy / "notebooks" / NOTEBOOK.name)
+
+
+def hub_checkout(room: Room) -> Path:
+    """The copy of the checkout the hub runs from (`copy_checkout`), beside its room."""
+    return room.room.parent / CHECKOUT_COPY
+
+
 
 
 def _account_exists(name: str) -> bool:
@@ -509,7 +542,7 @@ def test_each_learner_runs_00_in_their_own_copy_in_the_project_environment(room,
         assert probe["user"] == learner
         assert Path(probe["cwd"]) == room.room / "learners" / learner / ASSIGNMENT
         assert probe["python"] == sys.executable
-        assert Path(probe["labkit"]).resolve().parents[1] == ROOT
+        assert Path(probe["labkit"]).resolve().parents[1] == hub_checkout(room)
         errors = [output for cell in worked[learner]["notebook"].cells for output in cell.get("outputs", [])
                   if output.output_type == "error"]
         assert not errors, f"{learner}'s run of 00 raised: {errors[0].get('ename')}: {errors[0].get('evalue')}"
@@ -532,6 +565,14 @@ def test_a_learner_s_kernel_reads_nothing_that_is_not_theirs_and_cannot_write_la
         assert probe["writes"] == dict.fromkeys(probe["writes"], "denied"), f"{learner} could write: {probe['writes']}"
         home = Path(pwd.getpwnam(learner).pw_dir)
         assert (home.stat().st_mode & 0o777, home.stat().st_uid) == (0o700, pwd.getpwnam(learner).pw_uid)
+
+
+def test_the_hub_closes_the_checkout_it_runs_from_and_leaves_the_tests_checkout_as_it_was(room, worked):
+    # While the hub runs: its own checkout is closed to the learners but for what they need (lock_checkout) ...
+    closed = {entry.name for entry in hub_checkout(room).iterdir() if not entry.stat().st_mode & 0o077}
+    assert closed == {"notebooks"}, closed
+    # ... and the checkout the tests run from keeps its modes (the hub ran from it and closed it before)
+    assert checkout_modes() == CHECKOUT_MODES, "the hub changed the modes of the checkout the tests run from"
 
 
 def test_the_copy_was_the_release_and_a_learner_s_earlier_work_was_kept(room, worked):
