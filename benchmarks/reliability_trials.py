@@ -548,10 +548,18 @@ def cr6(work):
 
 # ---- 2. the workshop hub, without starting it -----------------------------------------------------------
 
-def hub_config(env: dict[str, str]) -> tuple[int | None, str]:
+def hub_config(env: dict[str, str], work: Path) -> tuple[int | None, str]:
     # The configuration only names this Python for the learners' servers, and it may lie in a folder that is
     # root's alone (pyenv under /root, which the hub rightly refuses): it names a reachable file instead.
-    code = ("import sys\nsys.executable = '/usr/bin/env'\nfrom traitlets.config import PyFileConfigLoader\n"
+    # It also closes the checkout it runs from to other accounts (workshop.lock_checkout): here a stand-in in the
+    # trial's folder, as in tests/test_course_workshop.py, never this checkout.
+    checkout = work / "checkout"
+    for folder in ("labkit", "workshop"):
+        (checkout / folder).mkdir(parents=True, exist_ok=True)
+    code = ("import sys\nfrom pathlib import Path\nsys.executable = '/usr/bin/env'\n"
+            "from labkit.course import workshop\n"
+            f"workshop.LABKIT_PARENT = Path({str(checkout)!r})\n"
+            "from traitlets.config import PyFileConfigLoader\n"
             "PyFileConfigLoader('jupyterhub_config.py', path='workshop').load_config()\nprint('loaded')\n")
     return run([PY, "-c", code], timeout=120, env={**os.environ, **env})
 
@@ -607,9 +615,9 @@ def ws13(work):
     os.chmod(work, 0o711)  # the hub refuses a room its learners cannot reach before it reads the port
     course(work, "00")
     outcomes = [cli_outcome(*hub_config({"GRADIENTLAB_HUB_PORT": "80a", "GRADIENTLAB_COURSE": str(work / "C"),
-                                         "GRADIENTLAB_ROOM": str(work / "room")}), "80a"),
+                                         "GRADIENTLAB_ROOM": str(work / "room")}, work), "80a"),
                 cli_outcome(*hub_config({"GRADIENTLAB_COURSE": str(work / "nocourse"),
-                                         "GRADIENTLAB_ROOM": str(work / "room")}), "not a course")]
+                                         "GRADIENTLAB_ROOM": str(work / "room")}, work), "not a course")]
     worst = next((o for o in outcomes if o[0] != CLEAR), outcomes[-1])
     return worst[0], " | ".join(o[1][-120:] for o in outcomes)
 
