@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -1092,9 +1093,13 @@ def run_one(trial_id: str, student_folder: Path, limit_s: float | None = None) -
     limit = limit_s or TRIALS[trial_id][1]
     with tempfile.TemporaryDirectory(prefix=f"reliab-{trial_id}-") as work:
         env = {**os.environ, "RELIAB_TAG": tag, "RELIAB_STUDENT": str(student_folder), "RELIAB_ID": trial_id}
+        modes = checkout_modes()
         started = time.monotonic()
         rc, out = run([PY, __file__, "--one", trial_id, work], timeout=limit, env=env)
         took = time.monotonic() - started
+        changed = {path: mode for path, mode in modes.items() if checkout_modes().get(path) != mode}
+        for path, mode in changed.items():  # given back, so that the next trial and the tests see the checkout as it was
+            path.chmod(mode)
         left = _tagged(tag)
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
@@ -1108,7 +1113,14 @@ def run_one(trial_id: str, student_folder: Path, limit_s: float | None = None) -
             outcome, seen = json.loads(line)["outcome"], json.loads(line)["seen"]
         if left and outcome != HANG:
             outcome, seen = LEAK, f"{len(left)} process(es) left running; {seen}"
+        if changed:
+            outcome, seen = LEAK, f"changed the modes of {sorted(p.name for p in changed)} in this checkout; {seen}"
     return {"id": trial_id, "outcome": outcome, "seen": seen, "seconds": round(took, 1), "how": "script"}
+
+
+def checkout_modes() -> dict[Path, int]:
+    """The modes of this checkout's top-level entries: a trial writes only in its own folder, and changes none."""
+    return {entry: stat.S_IMODE(entry.lstat().st_mode) for entry in ROOT.iterdir() if not entry.is_symlink()}
 
 
 def _tagged(tag: str) -> list[int]:
