@@ -1097,9 +1097,11 @@ def run_one(trial_id: str, student_folder: Path, limit_s: float | None = None) -
         started = time.monotonic()
         rc, out = run([PY, __file__, "--one", trial_id, work], timeout=limit, env=env)
         took = time.monotonic() - started
-        changed = {path: mode for path, mode in modes.items() if checkout_modes().get(path) != mode}
+        now = checkout_modes()
+        changed = {path: mode for path, mode in modes.items() if now.get(path) != mode}
         for path, mode in changed.items():  # given back, so that the next trial and the tests see the checkout as it was
-            path.chmod(mode)
+            if path in now:
+                path.chmod(mode)
         left = _tagged(tag)
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
@@ -1114,7 +1116,7 @@ def run_one(trial_id: str, student_folder: Path, limit_s: float | None = None) -
         if left and outcome != HANG:
             outcome, seen = LEAK, f"{len(left)} process(es) left running; {seen}"
         if changed:
-            outcome, seen = LEAK, f"changed the modes of {sorted(p.name for p in changed)} in this checkout; {seen}"
+            outcome, seen = LEAK, f"changed or removed {sorted(p.name for p in changed)} in this checkout; {seen}"
     return {"id": trial_id, "outcome": outcome, "seen": seen, "seconds": round(took, 1), "how": "script"}
 
 

@@ -64,8 +64,9 @@ from tornado.websocket import websocket_connect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # The hub runs from a copy of the checkout (`copy_checkout`), never from this one: it closes the checkout it runs
-# from to other accounts (workshop.lock_checkout), and a test run stopped before its teardown left this checkout
-# closed, so that the next run's learners could not start this venv's Python (a 500 from the hub's API).
+# from to other accounts (workshop.lock_checkout). Run from this one, it put the modes back at the end only to what
+# it found, so once something had closed this checkout (a reliability trial loading the hub's configuration did),
+# every later run's learners could not start this venv's Python (a 500 from the hub's API).
 CHECKOUT_COPY = "checkout"
 NOTEBOOK = ROOT / "notebooks" / "00_start_here.ipynb"
 ASSIGNMENT = "ps1"
@@ -415,8 +416,6 @@ def copy_checkout(copy: Path) -> None:
 def hub_checkout(room: Room) -> Path:
     """The copy of the checkout the hub runs from (`copy_checkout`), beside its room."""
     return room.room.parent / CHECKOUT_COPY
-
-
 
 
 def _account_exists(name: str) -> bool:

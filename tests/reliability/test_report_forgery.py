@@ -173,7 +173,9 @@ def mean_validation_loss(model, batches):
                           "the driver's frame")
 def test_an_answer_apart_cannot_change_what_its_driver_noted():
     result = grading.grade_cell("13.1", THROUGH_THE_DRIVERS_FRAME, "mean_validation_loss")
-    assert not result.passed and "was still alive" in result.message, result.message
+    if not result.passed and "was still alive" not in result.message:  # not an AssertionError: the xfail fails
+        pytest.fail(f"the forgery no longer runs as written, so it shows nothing: {result.message}")
+    assert not result.passed, result.message
 
 
 # A wrong 16.1 (no checkpoint at all) whose cell replaces the check's driver, and a class the check sends its
