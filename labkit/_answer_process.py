@@ -13,8 +13,11 @@ code in the judge). The judge copies that state into its own arguments and retur
 check. So a cell that patches the checker, an encoder, torch or labkit, reads the nonce, or writes to any
 descriptor it can find changes only its own process: the parent trusts nothing it reports, and the check takes
 from it the answer's own results, and the facts a driver or the backward pass notes there, which an answer written
-against them can change (it can walk up to the driver's frame: issue #42, a strict xfail in
-tests/reliability/test_report_forgery.py).
+against them can change (it can walk up to the driver's frame). Where such a fact is about memory (13.1's graphs
+kept alive, 16.1's activations), the check also reads what the kernel counted for this process from the judge's
+side (`labkit.exercises.run_beside_measuring_memory`, `labkit._resident`), which no answer can lower: the
+forgeries of tests/reliability/test_report_forgery.py fail on it. The facts that stay the answer's are about the
+route it took to right values (autograd rather than a formula, micro-batches rather than one batch: issue #42).
 
 A reply names an argument by its place instead of copying it, so a check that tests identity (a returned
 tensor that *is* the one passed in) still can. An exception comes back as its type's name and message; an
@@ -49,6 +52,7 @@ from torch.amp import GradScaler
 
 from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _plain, _time_limit
 from labkit._grader_process import GARBLED_REPLY_EXIT_CODE
+from labkit._resident import PeakResident, held_now
 from labkit.exercises import Differentiated, NotYet, registry, watched_call
 from labkit.messages import describe_error
 
@@ -68,8 +72,9 @@ _VALUES = (bool, int, float, complex, str, bytes, type(None), torch.Size, torch.
 class AnswerProcess:
     """The judge's end: ``cell`` says how running the cell went, ``call`` calls the function across."""
 
-    def __init__(self, pid: int, channel: socket.socket) -> None:
+    def __init__(self, pid: int, channel: socket.socket, held_at_fork: int | None = None) -> None:
         self.pid, self.channel = pid, channel
+        self.held_at_fork = held_at_fork  # its anonymous memory before any learner code ran (`labkit._resident`)
         self.turn = threading.Lock()  # a check that calls from several threads: one call at a time
 
     def cell(self) -> tuple[str, str]:
@@ -80,10 +85,15 @@ class AnswerProcess:
         with self.turn:
             return self._call(args, kwargs, None)
 
-    def run_beside(self, driver: Callable, args: tuple):
-        """``driver(answer, *args)`` in the answer process (`labkit.exercises.run_beside`): what it returns, as data."""
+    def run_beside(self, driver: Callable, args: tuple, measure_memory: bool = False):
+        """``driver(answer, *args)`` in the answer process (`labkit.exercises.run_beside`): what it returns, as data;
+        with ``measure_memory``, also the bytes that process held at its peak beyond its start, counted from here
+        (`labkit._resident`), where the answer cannot change the count."""
         with self.turn:
-            return self._call(args, {}, ("beside", driver))
+            if not measure_memory:
+                return self._call(args, {}, ("beside", driver))
+            peak = PeakResident(self.pid, self.held_at_fork)
+            return self._call(args, {}, ("beside", driver)), peak.growth()
 
     def ask(self, question: bytes):
         """A question of a serve function of its own (a lab's, `labkit.labs._isolated.serve`): its reply, as data."""
@@ -164,6 +174,7 @@ def start(request: dict, confine: Callable[[], None], serve: Callable | None = N
     """Fork the answer process for ``request`` (source, function, where, time_limit_s); ``confine`` caps it.
     ``serve(channel, request)`` runs the cell and answers the judge there (default: an exercise's calls)."""
     judge_end, answer_end = socket.socketpair()
+    held_at_fork = held_now()
     pid = os.fork()
     if pid == 0:
         try:
@@ -179,7 +190,7 @@ def start(request: dict, confine: Callable[[], None], serve: Callable | None = N
         finally:
             os._exit(0)
     answer_end.close()
-    return AnswerProcess(pid, judge_end)
+    return AnswerProcess(pid, judge_end, held_at_fork)
 
 
 def run_cell(request: dict, namespace: dict) -> tuple[str, str]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit._resident import PeakResident
 from labkit._torch_compat import use_deterministic_algorithms
 from labkit.exercises import Differentiated, Exercise, NotYet, watched_call
 
@@ -85,12 +86,16 @@ class _Attempt:
     def __call__(self, *args, **kwargs):
         return _plain(self._run(self.answer, *args, **kwargs))
 
-    def run_beside(self, driver: Callable, args: tuple):
-        """`labkit.exercises.run_beside` on the answer: across, where the answer runs apart."""
+    def run_beside(self, driver: Callable, args: tuple, measure_memory: bool = False):
+        """`labkit.exercises.run_beside` on the answer: across, where the answer runs apart; with
+        ``measure_memory`` (`labkit.exercises.run_beside_measuring_memory`), also the process's peak growth."""
         across = getattr(self.answer, "run_beside", None)
-        if across is None:
+        if across is not None:
+            return self._run(across, driver, args, measure_memory)
+        if not measure_memory:
             return self._run(driver, self, *args)
-        return self._run(across, driver, args)
+        peak = PeakResident(os.getpid())
+        return self._run(driver, self, *args), peak.growth()
 
     @property
     def _apart(self) -> bool:

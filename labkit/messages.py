@@ -7,6 +7,8 @@ own limit, because a verdict line, a rank report and a cell pointer have room fo
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["describe_error", "first_line"]
 
 
@@ -17,6 +19,20 @@ def first_line(text: str, limit: int) -> str:
 
 
 def describe_error(error: BaseException, limit: int) -> str:
-    """``"TypeName: first line of the message"``, or the type name alone when the message is empty."""
-    line = first_line(str(error), limit)
+    """``"TypeName: first line of the message"``, or the type name alone when the message is empty.
+
+    An error torch re-raised from a worker process (a DataLoader's) carries the worker's traceback in its
+    message: the line said is the worker's own message, and where it was raised."""
+    text = str(error)
+    wrapped = _RERAISED.match(text)
+    if wrapped:
+        kind, where = wrapped.groups()
+        at = text.rfind(f"\n{kind}: ")
+        said = text[at + len(kind) + 3:].strip() if at >= 0 else ""
+        text = f"{where}: {said}" if said else where
+    line = first_line(text, limit)
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+# How torch.utils._utils.ExceptionWrapper words an error it re-raises from another process.
+_RERAISED = re.compile(r"Caught (\w+) (in .+?)\.\nOriginal Traceback \(most recent call last\):\n")

@@ -680,6 +680,16 @@ def mean_validation_loss(model, batches):
         losses.append(F.cross_entropy(model(x), y))
     return torch.stack(losses).detach().mean().item()
 """)
+# Saved-tensor hooks are per thread, so the check's own instrument sees none of these graphs: only the memory
+# the kernel counted shows that every one of them was alive at the end (it passed before that count).
+mistake("13.1", "batches in threads, tensors kept", says="the graphs of earlier batches were still alive", answer="""
+from concurrent.futures import ThreadPoolExecutor
+
+def mean_validation_loss(model, batches):
+    with ThreadPoolExecutor(2) as pool:
+        losses = list(pool.map(lambda batch: F.cross_entropy(model(batch[0]), batch[1]), batches))
+    return (sum(losses) / len(batches)).item()
+""")
 
 # 13.2 count what autograd keeps, with its own hook
 mistake("13.2", "counts the parameters too", says="your count includes the parameters (1,024 B)", answer="""

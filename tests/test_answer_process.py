@@ -8,13 +8,15 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import subprocess
 
 import pytest
 import torch
 from torch import nn
 
 from labkit import _answer_process as crossing
-from labkit.exercises import Differentiated, NotYet, call_and_differentiate
+from labkit import _resident
+from labkit.exercises import Differentiated, NotYet, call_and_differentiate, run_beside_measuring_memory
 
 
 def across(answer, *args, backward=None):
@@ -176,3 +178,32 @@ def test_a_reply_that_names_a_class_is_refused_by_the_judge():
 
     with pytest.raises(pickle.UnpicklingError):
         torch.load(io.BytesIO(pickle.dumps(("returned", Payload(), [], None), protocol=2)), weights_only=True)
+
+
+def holds(answer, elements):
+    """A driver: the answer's tensor of ``elements`` float64s, alive until the driver returns."""
+    kept = answer(elements)
+    return kept.numel()
+
+
+@pytest.mark.skipif(not _resident.counted_here(), reason="the kernel keeps no peak this process can reset (no /proc)")
+def test_memory_measured_beside_the_answer_is_what_its_process_held_and_none_where_the_kernel_keeps_no_count(
+        monkeypatch):
+    def allocate(elements):
+        return torch.ones(elements, dtype=torch.float64)
+
+    held, peak = run_beside_measuring_memory(allocate, holds, 8 * 2**20)  # 64 MiB
+    # not to the byte: what the process freed meanwhile (garbage of earlier tests) is counted against it
+    assert held == 8 * 2**20 and peak >= 56 * 2**20
+    assert run_beside_measuring_memory(allocate, holds, 1)[1] < 8 * 2**20
+    monkeypatch.setattr(_resident, "counted_here", lambda: False)
+    assert run_beside_measuring_memory(allocate, holds, 8 * 2**20) == (8 * 2**20, None)
+
+
+@pytest.mark.skipif(not _resident.counted_here(), reason="the kernel keeps no peak this process can reset (no /proc)")
+def test_a_process_whose_memory_cannot_be_counted_fails_its_check_with_that_reason():
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: /proc has no such process any more
+    with pytest.raises(NotYet, match=f"could not count the memory of the process your function ran in \\(process "
+                                     f"{ended.pid}"):
+        _resident.PeakResident(ended.pid)

@@ -962,7 +962,7 @@ def test_the_notebook_check_runs_diagnose_and_raises_only_under_nbgrader(capsys,
     assert "must return two things, your diagnosis and your repair" in capsys.readouterr().out
 
     right = REPAIRS[session._variant][0]
-    labs.check(session, lambda lab: (lab.lab.variant(session._variant).cause, right))
+    labs.check(session, lambda lab: (lab._lab.variant(session._variant).cause, right))
     assert "✓ Lab 00 passed" in capsys.readouterr().out
 
     monkeypatch.setenv("NBGRADER_EXECUTION", "autograde")
@@ -1017,9 +1017,9 @@ PATCH_LABKIT = ("import labkit.labs as _labs, labkit.labs._check as _check\n"
                 "_labs.check = lambda *a, **k: print('✓ Lab 00 passed')\n"
                 "_check.check_lab = lambda *a, **k: None\n"
                 "import os\nos.environ.pop('NBGRADER_EXECUTION', None)\n")
-FORGE_THE_LAB = ("\ndef forged(lab):\n    for variant in lab.lab.variants:\n"
+FORGE_THE_LAB = ("\ndef forged(lab):\n    for variant in lab._lab.variants:\n"
                  "        object.__setattr__(variant, 'cause', lab.causes[3])\n        variant.defect.clear()\n"
-                 "    object.__setattr__(lab.lab, 'recovery', lambda repaired, twin: (True, 'forged'))\n"
+                 "    object.__setattr__(lab._lab, 'recovery', lambda repaired, twin: (True, 'forged'))\n"
                  "    torch.allclose = lambda *a, **k: True\n"
                  "    return lab.causes[3], {'loss_of': lambda p, t: F.mse_loss(p, t)}\n")
 
@@ -1063,6 +1063,26 @@ def test_a_check_in_the_kernel_grades_the_answer_cell_in_isolation(capsys, monke
     monkeypatch.setitem(linecache.cache, cell_file, (len(stub), None, stub.splitlines(True), cell_file))
     labs.check(session, namespace["diagnose"])  # the function still passes here; the cell it came from does not
     assert "diagnose is not attempted yet" in capsys.readouterr().out
+
+
+def test_every_labs_defect_free_stages_can_be_withheld_and_its_measurements_do_not_use_them():
+    # The grading process withholds the fix by giving the stage's function object refusing code
+    # (labkit.labs._isolated._withhold_the_fix): that needs a plain function without a closure, and the lab's
+    # own measurements must go through a copy (reference_copy), or the learner's right repair would fail.
+    import types
+
+    for lab_id in lab_ids():
+        for name, stage in lab_of(lab_id).correct.items():
+            assert isinstance(stage, types.FunctionType) and not stage.__code__.co_freevars, (lab_id, name)
+    probe = lab_of("03").correct["rectify"]
+    original = probe.__code__
+    reference_runs("03", "03.c", 0)  # trained before the fix is withheld, as the grading process does
+    try:
+        probe.__code__ = (lambda *args, **kwargs: 1 / 0).__code__
+        # the lab's reference gradient and final loss still hold with the learner's own rectify
+        assert _passes("03.c", REPAIRS["03.c"][1]).passed
+    finally:
+        probe.__code__ = original
 
 
 @pytest.mark.parametrize("lab_id", ["14", "15"])

@@ -127,6 +127,18 @@ def test_first_line_cuts_with_a_marker_and_describe_error_names_the_type():
     assert describe_error(KeyboardInterrupt(), 160) == "KeyboardInterrupt"
 
 
+def test_describe_error_says_what_a_dataloader_worker_raised_not_that_it_caught_something():
+    from torch._utils import ExceptionWrapper
+
+    try:
+        raise PermissionError("the worker's own words\nand more")
+    except PermissionError:
+        wrapper = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 0")
+    with pytest.raises(PermissionError) as raised:
+        wrapper.reraise()
+    assert describe_error(raised.value, 160) == "PermissionError: in DataLoader worker process 0: the worker's own words"
+
+
 def test_stamp_notebook_in_memory_keeps_other_metadata_and_copies_the_fingerprint():
     nbformat = pytest.importorskip("nbformat")  # the GPU image may lack it; the GPU tests here must still run
     notebook = nbformat.v4.new_notebook()

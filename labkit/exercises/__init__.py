@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 import pkgutil
 import re
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from labkit.errors import LabkitError
 
-__all__ = ["Differentiated", "NotYet", "call_and_differentiate", "exercise", "run_beside"]
+__all__ = ["Differentiated", "NotYet", "call_and_differentiate", "exercise", "run_beside", "run_beside_measuring_memory"]
 
 # A hint: one sentence, or a tuple of sentences shown one per failed try, from a nudge that names
 # what to look at to the explicit recipe (labkit.grading.hint_for picks one).
@@ -191,11 +192,28 @@ def run_beside(function: Callable, driver: Callable, *args):
     module-level function of the check module (it crosses by name), returns data (numbers, tensors,
     lists, dicts) and may raise `NotYet`; what the answer raises is the answer's, as with a plain call.
     Where the answer runs apart, what ``driver`` reads there could be forged by the answer (it can reach the
-    driver's frame): the check compares what comes back with what it computed itself wherever it can."""
+    driver's frame): the check compares what comes back with what it computed itself wherever it can, and a
+    fact about memory is backed by `run_beside_measuring_memory`."""
     across = getattr(function, "run_beside", None)
     if across is not None:
         return across(driver, args)
     return driver(function, *args)
+
+
+def run_beside_measuring_memory(function: Callable, driver: Callable, *args) -> tuple[object, int | None]:
+    """`run_beside`, and how many bytes the process the answer ran in held at its peak during the call beyond
+    what it held at its start, as the kernel counted them (None where it does not: no /proc, as on macOS).
+
+    Where the answer runs apart, the count is read from the grading process, out of the answer's reach: a check
+    whose lesson is memory (graphs kept alive, activations not freed) requires it as well as its driver's facts,
+    so an answer that empties what its driver noted still fails on the memory it really held."""
+    from labkit._resident import PeakResident
+
+    across = getattr(function, "run_beside", None)
+    if across is not None:
+        return across(driver, args, measure_memory=True)
+    peak = PeakResident(os.getpid())
+    return driver(function, *args), peak.growth()
 
 
 def watched_call(function: Callable, args: tuple, wrt: tuple[int, ...], upstream: torch.Tensor | None,

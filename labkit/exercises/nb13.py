@@ -3,7 +3,8 @@
 13.1 asks for a validation loss that keeps no batch's autograd graph alive once the next batch has
 started (the planted bug adds each loss tensor into a running total, so every graph and its saved
 activations live until the end). The check watches what autograd saves through
-`torch.autograd.graph.saved_tensors_hooks`. 13.2 asks for that count itself, written with the same
+`torch.autograd.graph.saved_tensors_hooks`, which names the batch whose graph outlived the next, and bounds
+the memory the kernel counted for the answer's process, which the answer cannot rewrite. 13.2 asks for that count itself, written with the same
 hook: the activation bytes a module's forward keeps, as `memory.saved_bytes` counts them, on blocks
 the notebook does not show (the planted bug adds up every tensor the hook is handed, so the
 parameters, the input and a tensor two operations save are all counted). Activation
@@ -12,6 +13,7 @@ checkpointing's exercises moved with case K4 to 16_speed_and_memory (`labkit/exe
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.exercises import NotYet, exercise, run_beside
+from labkit.exercises import NotYet, exercise, run_beside_measuring_memory
 from labkit.memory import saved_bytes
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
@@ -28,7 +30,16 @@ __all__: list[str] = []
 
 NOTEBOOK = "13_memory"
 FEATURES, HIDDEN, CLASSES = 8, 32, 4
-BATCHES, ROWS, LAST_ROWS = 5, 6, 2  # the last batch is short, as a validation set's last batch often is
+ROWS = 6
+# 13.1's validation batches are big enough that what a graph keeps shows in the process's memory: each full
+# batch's hidden activations take VALIDATION_ROWS * VALIDATION_HIDDEN float64s (64 MiB), above the size glibc
+# always maps apart, so freeing them gives the memory back and the kernel's count follows what is alive.
+BATCHES, VALIDATION_ROWS, LAST_ROWS, VALIDATION_HIDDEN = 5, 1024, 256, 8192  # the last batch short, as they often are
+ACTIVATION_BYTES = VALIDATION_ROWS * VALIDATION_HIDDEN * 8
+# A batch's forward holds two activations at once (before and after the ReLU), and the previous batch's graph
+# one more: a right answer peaks at three, the planted running total of loss tensors at five, each plus the
+# code of torch's a first call pages in (about 25 MiB, counted in the same peak). The bound is between them.
+PEAK_ALLOWED_BYTES = 4 * ACTIVATION_BYTES + 16 * 2**20
 TOLERANCE = 1e-12
 
 
@@ -36,7 +47,7 @@ class _SavedTensor:
     """What our pack hook stores in the graph instead of the tensor: it dies when the graph does.
 
     It holds a detached alias, never the tensor it was given: for an op that saves its own output
-    (Tanh), that tensor's grad_fn is the node holding this object, and the cycle
+    (ReLU), that tensor's grad_fn is the node holding this object, and the cycle
     tensor -> grad_fn -> saved variable -> _SavedTensor -> tensor runs through C++, where gc cannot
     break it, so the check itself would keep every graph alive.
     """
@@ -65,11 +76,9 @@ class _SavedTensor:
 def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
     """The mean must be right, and no graph older than the previous batch may be alive."""
     model, batches = _validation_fixture()
-    with torch.no_grad():
-        losses = [F.cross_entropy(model(x), y).item() for x, y in batches]
-    expected = sum(losses) / len(batches)
-    row_weighted = sum(loss * len(y) for loss, (_, y) in zip(losses, batches)) / sum(len(y) for _, y in batches)
-    result, stale, alive = run_beside(mean_validation_loss, _watched_validation, model, batches)
+    expected, row_weighted = _expected_means()
+    (result, stale, alive), peak = run_beside_measuring_memory(mean_validation_loss, _watched_validation, model,
+                                                               batches)
     _require_mean(result, expected, row_weighted)
     if stale:
         now, oldest = stale[0]
@@ -79,6 +88,7 @@ def check_mean_validation_loss(mean_validation_loss: Callable) -> str:
         )
     if alive:
         raise NotYet("after your function returned, an autograd graph was still alive: return a float, not a tensor")
+    _require_memory_freed(peak)
     return f"the mean of {BATCHES} batch losses is right, and no batch's graph outlived the next batch"
 
 
@@ -110,13 +120,36 @@ def _watched_validation(mean_validation_loss: Callable, model: nn.Module,
     return result, stale, len(alive)
 
 
+def _require_memory_freed(peak: int | None) -> None:
+    """The memory the kernel counted for the process the answer ran in, which the answer cannot lower (its
+    driver's facts it could change): None where the kernel keeps no count."""
+    if peak is not None and peak > PEAK_ALLOWED_BYTES:
+        raise NotYet(  # the bound, not the count: the count varies a little with the process (threads, code paged in)
+            f"while your function ran, its process held more than {PEAK_ALLOWED_BYTES // 2**20} MiB beyond what it "
+            f"held before (one batch's hidden activations take {ACTIVATION_BYTES // 2**20} MiB, and a function that "
+            "frees each batch's graph holds at most three at once): the graphs of earlier batches were still alive "
+            "with their saved activations"
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _expected_means() -> tuple[float, float]:
+    """The mean of the fixture's batch losses, and the mean over its rows (a likely wrong answer's)."""
+    model, batches = _validation_fixture()
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(x), y).item() for x, y in batches]
+    row_weighted = sum(loss * len(y) for loss, (_, y) in zip(losses, batches)) / sum(len(y) for _, y in batches)
+    return sum(losses) / len(batches), row_weighted
+
+
 def _validation_fixture() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     generator = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES)).double()
+    model = nn.Sequential(nn.Linear(FEATURES, VALIDATION_HIDDEN), nn.ReLU(), nn.Linear(VALIDATION_HIDDEN, CLASSES))
+    model = model.double()
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
-    sizes = [ROWS] * (BATCHES - 1) + [LAST_ROWS]
+    sizes = [VALIDATION_ROWS] * (BATCHES - 1) + [LAST_ROWS]
     batches = [(torch.randn(rows, FEATURES, generator=generator, dtype=torch.float64),
                 torch.randint(0, CLASSES, (rows,), generator=generator)) for rows in sizes]
     return model, batches
@@ -131,7 +164,7 @@ def _require_mean(result: object, expected: float, row_weighted: float) -> None:
         raise NotYet(
             f"you returned {result:.6g}, the mean over all rows, which weighs each batch by its rows; the task asks "
             f"for the mean of the {BATCHES} batch losses, each batch counting once ({expected:.6g}): the last "
-            f"batch has {LAST_ROWS} rows, not {ROWS}",
+            f"batch has {LAST_ROWS} rows, not {VALIDATION_ROWS}",
             hint="add up F.cross_entropy(model(x), y).item() per batch and divide by len(batches)",
         )
     if not math.isclose(result, expected, rel_tol=1e-9, abs_tol=TOLERANCE):

@@ -3,7 +3,8 @@
 16.1 asks for a forward that checkpoints segments of several blocks, so that only each segment's
 input is kept (the planted bug checkpoints only the activation function, the article's K4 approach,
 and saves nothing; checkpointing every block, the notebook's fix, keeps one input per block). The
-check watches what autograd saves through `torch.autograd.graph.saved_tensors_hooks`.
+check watches what autograd saves through `torch.autograd.graph.saved_tensors_hooks`, to the byte, and
+bounds the memory the kernel counted for a larger forward, which the answer cannot rewrite.
 
 16.2 asks which blocks to checkpoint so that what autograd keeps fits a budget with the fewest
 blocks recomputed; the blocks have the same shapes and keep different bytes (the planted bug assumes
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from labkit.exercises import NotYet, by_how_much, exercise, run_beside
+from labkit.exercises import NotYet, by_how_much, exercise, run_beside, run_beside_measuring_memory
 from labkit.memory import saved_bytes
 
 # Importing this module registers its checks with @exercise; nothing here is called by name.
@@ -30,6 +31,14 @@ BLOCKS, BLOCK_WIDTH, BLOCK_HIDDEN, BLOCK_ROWS = 6, 16, 64, 8
 # Segment lengths the check tries: 6 blocks in 3 segments of 2, and in segments of 4 and 2 (a short last one).
 SEGMENT_LENGTHS = (2, 4)
 TOLERANCE = 1e-12
+# The saved bytes above are exact, but noted in the answer's process. A second forward, of blocks whose hidden
+# activations take MEMORY_ROWS * MEMORY_HIDDEN float64s (32 MiB, above the size glibc always maps apart), shows
+# what autograd keeps in the memory the kernel counts, which the answer cannot lower (`labkit._resident`).
+MEMORY_ROWS, MEMORY_HIDDEN, MEMORY_WIDTH = 512, 8192, 2
+HIDDEN_BYTES = MEMORY_ROWS * MEMORY_HIDDEN * 8
+# A checkpointed forward holds one block's activations at a time (before and after the ReLU: two), a plain one
+# every block's besides (seven for six blocks), each plus code a first call pages in. The bound is between them.
+FORWARD_PEAK_ALLOWED_BYTES = 4 * HIDDEN_BYTES + 16 * 2**20
 
 
 @exercise(
@@ -70,6 +79,7 @@ def _checked_forward(checkpointed_forward: Callable) -> str:
     kept = {}
     for per_segment in SEGMENT_LENGTHS:
         kept[per_segment] = _checked_segments(checkpointed_forward, blocks, x, per_segment, plain_output, plain_grads)
+    _require_activations_freed(checkpointed_forward)
     kept_text = " and ".join(f"{saved:,} B with segments of {length}" for length, saved in kept.items())
     return (
         f"output and gradients match the plain forward, and for {len(blocks)} blocks autograd kept {kept_text}, "
@@ -114,6 +124,24 @@ def _checked_segments(checkpointed_forward: Callable, blocks: nn.ModuleList, x: 
     return saved
 
 
+def _require_activations_freed(checkpointed_forward: Callable) -> None:
+    blocks, x = _blocks_fixture(MEMORY_WIDTH, MEMORY_HIDDEN, MEMORY_ROWS)
+    _, peak = run_beside_measuring_memory(checkpointed_forward, _forward_only, blocks, x, SEGMENT_LENGTHS[0])
+    if peak is not None and peak > FORWARD_PEAK_ALLOWED_BYTES:
+        raise NotYet(  # the bound, not the count: the count varies a little with the process
+            f"with segments of {SEGMENT_LENGTHS[0]} blocks, on {BLOCKS} blocks whose hidden activations take "
+            f"{HIDDEN_BYTES // 2**20} MiB each, the forward's process held more than "
+            f"{FORWARD_PEAK_ALLOWED_BYTES // 2**20} MiB beyond what it held before (a checkpointed forward holds one "
+            "block's at a time): autograd still keeps the inside of each block for backward"
+        )
+
+
+def _forward_only(checkpointed_forward: Callable, blocks: nn.ModuleList, x: torch.Tensor, per_segment: int) -> None:
+    """Where the answer runs: its forward, whose graph lives until the driver returns, as it would until backward."""
+    output = checkpointed_forward(blocks, x, per_segment)
+    del output
+
+
 def _segments_run(checkpointed_forward: Callable, blocks: nn.ModuleList, x: torch.Tensor,
                   per_segment: int) -> tuple[object, tuple | None, int]:
     """Where the answer runs: its forward, the bytes autograd keeps for backward meanwhile, and the gradients
@@ -132,16 +160,16 @@ def _segments_run(checkpointed_forward: Callable, blocks: nn.ModuleList, x: torc
     return output, grads, sum(saved)
 
 
-def _blocks_fixture() -> tuple[nn.ModuleList, torch.Tensor]:
+def _blocks_fixture(width: int = BLOCK_WIDTH, hidden: int = BLOCK_HIDDEN,
+                    rows: int = BLOCK_ROWS) -> tuple[nn.ModuleList, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     blocks = nn.ModuleList(
-        nn.Sequential(nn.Linear(BLOCK_WIDTH, BLOCK_HIDDEN), nn.ReLU(), nn.Linear(BLOCK_HIDDEN, BLOCK_WIDTH))
-        for _ in range(BLOCKS)
+        nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width)) for _ in range(BLOCKS)
     ).double()
     with torch.no_grad():
         for parameter in blocks.parameters():
             parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
-    return blocks, torch.randn(BLOCK_ROWS, BLOCK_WIDTH, generator=generator, dtype=torch.float64)
+    return blocks, torch.randn(rows, width, generator=generator, dtype=torch.float64)
 
 
 def _plain_forward(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:

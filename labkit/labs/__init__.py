@@ -42,13 +42,13 @@ class LabSession:
     """Your run of one lab: its causes, its stages' contracts, the run's objects, and `rerun`."""
 
     def __init__(self, lab_id: str, key: str) -> None:
-        self.lab = lab_of(lab_id)
+        self._lab = lab_of(lab_id)
         self._key = key
-        index, self.seed = draw(lab_id, key, len(self.lab.variants))
-        self._variant = self.lab.variants[index].id
-        self.causes = tuple(cause.name for cause in self.lab.causes)
-        self.stages = dict(self.lab.stages)
-        self.run = self.lab.run(self.lab.stages_of(self.lab.variant(self._variant)), self.seed)
+        index, self.seed = draw(lab_id, key, len(self._lab.variants))
+        self._variant = self._lab.variants[index].id
+        self.causes = tuple(cause.name for cause in self._lab.causes)
+        self.stages = dict(self._lab.stages)
+        self.run = self._lab.run(self._lab.stages_of(self._lab.variant(self._variant)), self.seed)
         for name, value in self.run.objects.items():
             setattr(self, name, value)
 
@@ -56,15 +56,15 @@ class LabSession:
         """Your run again with some stages replaced by yours (by stage name); prints what it shows."""
         unknown = sorted(set(stages) - set(self.stages))
         if unknown:
-            raise LabkitError(f"{', '.join(unknown)} is not a stage of lab {self.lab.id}: its stages are "
+            raise LabkitError(f"{', '.join(unknown)} is not a stage of lab {self._lab.id}: its stages are "
                               f"{', '.join(self.stages)}")
-        run = self.lab.run({**self.lab.stages_of(self.lab.variant(self._variant)), **stages}, self.seed)
-        self.lab.show(run)
+        run = self._lab.run({**self._lab.stages_of(self._lab.variant(self._variant)), **stages}, self.seed)
+        self._lab.show(run)
         return run
 
     def describe(self) -> None:
         """Print the causes you may diagnose and the stages you may repair."""
-        print(f"Lab {self.lab.id}: {self.lab.title}")
+        print(f"Lab {self._lab.id}: {self._lab.title}")
         print("Causes you may diagnose:\n" + "\n".join(f"  - {name}" for name in self.causes))
         print("Stages of the training you may repair (write a function with the stage's name):")
         print("\n".join(f"  - {name}: {contract}" for name, contract in self.stages.items()))
@@ -79,7 +79,7 @@ def start(lab_id: str, *, seed: int | None = None, learner: str | None = None) -
     or login (the same for you every time).
     """
     session = LabSession(lab_id, learner_key(seed, learner))
-    session.lab.show(session.run)
+    session._lab.show(session.run)
     session.describe()
     return session
 
@@ -97,7 +97,7 @@ def check(session: LabSession, answer: Callable | str,
     if not isinstance(session, LabSession):
         raise LabkitError(f"labs.check needs the session labs.start returned, got a {type(session).__name__}: "
                           'run lab = labs.start("NN") first and pass lab')
-    lab_id = session.lab.id
+    lab_id = session._lab.id
     try_number = _FAILED_TRIES.get(lab_id, 0) + 1
     cell = answer_cell(lab_id, answer) if repair is None and callable(answer) else None
     if cell is not None:
@@ -108,7 +108,7 @@ def check(session: LabSession, answer: Callable | str,
         return
     diagnosis, repair, problem = _submission(session, answer, repair)
     if problem is not None:
-        result = Result(grade_id(lab_id), session.lab.notebook, False, f"✗ Lab {lab_id} not yet: {problem}.")
+        result = Result(grade_id(lab_id), session._lab.notebook, False, f"✗ Lab {lab_id} not yet: {problem}.")
     else:
         result = check_lab(lab_id, session._variant, diagnosis, repair, seed=session.seed, try_number=try_number)
         if not result.passed:

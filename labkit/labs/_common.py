@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,13 @@ import torch
 from labkit.labs._audit import StepAudit
 
 __all__: list[str] = []
+
+
+def reference_copy(stage: Callable) -> Callable:
+    """A second function object with ``stage``'s code, for a lab's own measurements (a reference gradient, the
+    run's final error): the grading process withholds the stage object itself from a learner's repair
+    (`labkit.labs._isolated`), and a measurement must not go with it."""
+    return types.FunctionType(stage.__code__, stage.__globals__, stage.__name__, stage.__defaults__, stage.__closure__)
 
 
 def seeded(build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:

@@ -16,13 +16,15 @@ patches torch or labkit, exits, hangs, ignores SIGALRM, unsets ``NBGRADER_EXECUT
 pipes it finds can only fail its own lab. The learner's kernel (`labs.check`), nbgrader's autograde
 (`labkit.course.isolated_autograde`) and ``labkit progress`` all grade a lab this way, so they agree.
 
-What this does not stop, as for an exercise's driver (`labkit.exercises.run_beside`): the repaired run is
-measured in the answer's process, so the judge reads numbers that learner code could have written. A
-repaired stage can write a framed reply of its own into the channel (it finds the descriptor by trying
-them), carrying a defect-free run's numbers, and the judge takes them for the repaired run: a strict xfail
-in tests/reliability/test_report_forgery.py. A thread that keeps patching between two restores, or a stage
-that walks up the stack into the training loop's frame, could change the numbers the same way. Closing this
-needs the judge to run the training loop itself and call only the repaired stages across.
+What this does not stop yet (issue #42): the repaired run is measured in the answer's process, so a repaired
+stage can write a framed reply of its own into the channel (it finds the descriptor by trying them) and the judge
+takes it for the run. What it cannot write any more is a defect-free run made *there*: before the cell runs, the
+answer process withholds labkit's own defect-free version of every stage the variant breaks (`_withhold_the_fix`:
+the function object refuses every call, however the cell reached it: the session, an import, a name kept) and
+holds no reference run (the judge trained its own before the fork). So such a forgery needs numbers its learner's
+own kernel computed, where labkit is whole, pasted into the cell: a strict xfail in
+tests/reliability/test_report_forgery.py. Closing it needs the judge to train the run itself, at a seed the
+learner cannot know, calling only the repaired stages across.
 """
 
 from __future__ import annotations
@@ -135,12 +137,12 @@ def prepare(request: dict) -> Prepared:
     index, seed = draw(lab.id, request["key"], len(lab.variants))
     variant = lab.variants[index]
     session = LabSession(lab.id, request["key"])
-    defective, twin = reference_runs(lab.id, variant.id, seed)
+    reference_runs(lab.id, variant.id, seed)  # cached for the judge; the answer process drops them
     modules = tuple(name for name in sys.modules if name == "labkit.labs" or name.startswith("labkit.labs."))
     mappings = [lab.stages, lab.correct, *(v.defect for v in lab.variants)]
-    runs = [defective, twin]
-    objects = (lab, *lab.variants, *lab.causes, *(m for m in mappings if isinstance(m, dict)),
-               *runs, *(run.metrics for run in runs), *(run.trace for run in runs))
+    # What the repaired run is trained by in the answer process, put back after each of the learner's calls.
+    # Not the reference runs: the judge compares with its own, and the answer process must not hold them.
+    objects = (lab, *lab.variants, *lab.causes, *(m for m in mappings if isinstance(m, dict)))
     return Prepared(lab.id, variant.id, seed, session, modules, objects)
 
 
@@ -224,6 +226,7 @@ def serve(channel, request: dict, prepared: Prepared, namespaces) -> None:
     from labkit import _answer_process as across
     from labkit._check_sandbox import _CheckTimedOut, _time_limit
 
+    _withhold_the_fix(prepared)
     namespace = dict(EXERCISE_NAMESPACE)
     try:
         ran = across.run_cell(request, namespace)
@@ -245,6 +248,35 @@ def serve(channel, request: dict, prepared: Prepared, namespaces) -> None:
                 across._reply(channel, reply)
     except _CheckTimedOut as stopped:
         across._reply(channel, ("timed_out", stopped.limit))
+
+
+def _withhold_the_fix(prepared: Prepared) -> None:
+    """In the answer process, before the cell runs: labkit's own defect-free version of each stage the learner's
+    variant breaks refuses every call, however the cell reaches it (the session's lab, an import, a name kept),
+    and the cached reference runs, which hold the defect-free run's numbers, are dropped (the judge trained its
+    own before the fork). The repaired run needs neither: the learner's repair replaces those stages."""
+    lab = lab_of(prepared.lab_id)
+    for name in lab.variant(prepared.variant).defect:
+        fix = lab.correct[name]
+        fix.__code__ = _refusing(fix.__code__, WITHHELD.format(stage=name))
+    reference_runs.cache_clear()
+
+
+WITHHELD = ("labkit's own {stage}, the lab's defect-free stage, is withheld while your answer is graded: write the "
+            "stage yourself, in your answer cell")
+
+
+def _refusal(*args, **kwargs):
+    raise PermissionError("MESSAGE")
+
+
+def _refusing(code, message: str):
+    """``code`` (a stage's) as code that raises PermissionError(message): it keeps the stage's name, so a
+    traceback still reads as the stage the learner called."""
+    refusal = _refusal.__code__
+    consts = tuple(message if const == "MESSAGE" else const for const in refusal.co_consts)
+    return refusal.replace(co_consts=consts, co_name=code.co_name, co_qualname=code.co_qualname,
+                           co_filename=code.co_filename)
 
 
 def _submission_here(prepared: Prepared, diagnose: Callable, namespaces, repair: dict) -> tuple:

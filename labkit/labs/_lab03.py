@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.labs._common import audited_sgd, curve_text, number, relative_gap, seeded
+from labkit.labs._common import audited_sgd, curve_text, number, reference_copy, relative_gap, seeded
 from labkit.labs._lab import Cause, Lab, Run, Variant
 from labkit.messages import describe_error
 
@@ -101,7 +101,7 @@ def train(stages, seed: int) -> Run:
     losses = []
     for _ in range(STEPS):
         rows = torch.randperm(EXAMPLES, generator=order)[:BATCH]
-        reference = torch.autograd.grad(F.mse_loss(predict(_CORRECT, model, x[rows]), y[rows]), params)
+        reference = torch.autograd.grad(F.mse_loss(predict(_REFERENCE, model, x[rows]), y[rows]), params)
         optimizer.zero_grad()
         loss = F.mse_loss(predict(stages, model, x[rows], writes), y[rows])
         losses.append(loss.item())
@@ -113,7 +113,7 @@ def train(stages, seed: int) -> Run:
         trace["grad_gap"].append(_gap(params, reference))
         optimizer.step()
     with torch.no_grad():
-        final = F.mse_loss(predict(_CORRECT, model, x), y).item()
+        final = F.mse_loss(predict(_REFERENCE, model, x), y).item()
     trace["one_step"] = _one_step_effect(x, y, seed)
     # a run that backward stopped took the steps before the error: the recovery says so, not the audit
     taken = STEPS if trace["error"] is None else len(trace["grad_gap"])
@@ -148,12 +148,12 @@ def _smallest_std(model, x) -> float:
 def _one_step_effect(x, y, seed: int) -> tuple[float, float]:
     """The full-data loss of the initial model (out-of-place forward) before and after one SGD step at LR."""
     probe = seeded(ResidualRegressor, seed)
-    loss = F.mse_loss(predict(_CORRECT, probe, x), y)
+    loss = F.mse_loss(predict(_REFERENCE, probe, x), y)
     loss.backward()
     with torch.no_grad():
         for p in probe.parameters():
             p -= LR * p.grad
-        return loss.item(), F.mse_loss(predict(_CORRECT, probe, x), y).item()
+        return loss.item(), F.mse_loss(predict(_REFERENCE, probe, x), y).item()
 
 
 def show(run: Run) -> None:
@@ -202,6 +202,8 @@ CAUSES = (
 )
 
 _CORRECT = {"residual": residual, "normalise": normalise, "rectify": rectify}
+# The run's own measurements (the reference gradient, the final loss) use copies: see `reference_copy`.
+_REFERENCE = {name: reference_copy(stage) for name, stage in _CORRECT.items()}
 
 LAB = Lab(
     id="03",

@@ -8,8 +8,12 @@ finds neither the nonce nor any descriptor the parent reads, nor the check's fra
 not where the verdict is written. Those tests pass, and fail on the code before that process existed (both
 forgeries passed a wrong answer). Every exercise and every lab runs its answer apart: a lab's repair is trained
 in the answer's process and its run comes back as data (`labkit.labs._isolated`). What that data says is written
-in a process the answer runs in: an answer that writes a reply of its own into that channel passes a lab, and one
-that walks up the stack to a check's driver empties what the driver noted and passes 13.1 (two strict xfails below).
+in a process the answer runs in. An answer that writes a reply of its own into that channel needs a defect-free
+run's numbers to write; the answer process holds none and withholds labkit's own fix, so the numbers must come
+from the learner's kernel, pasted into the cell (a strict xfail below; the ways that found them in the answer
+process passed lab 00 before). One that walks up the stack to a driver and rewrites what it noted (13.1's graphs,
+16.1's saved bytes) fails on the memory its process held, which the judge reads from the kernel
+(`labkit._resident`), out of the answer's reach.
 One grading process each, no kernel.
 """
 
@@ -113,15 +117,16 @@ def test_a_lab_answer_cannot_write_its_own_verdict(answer, said):
 
 
 # A lab answer written against the answer process's own protocol: its repaired stage writes, into every descriptor
-# it finds, a framed reply to the judge's "train" carrying the defect-free twin's numbers (which it trains itself
-# from the session's lab and seed), then waits to be killed. The judge reads the repaired run from that channel,
-# so it takes the forged numbers for the run.
+# it finds, a framed reply to the judge's "train" carrying the defect-free twin's numbers, then waits to be killed.
+# The judge reads the repaired run from that channel. The numbers it needs come from labkit (TWIN): before the
+# fix was withheld, both ways gave the twin and the forgery passed lab 00 (a strict xfail).
 THROUGH_THE_ANSWER_CHANNEL = """# lab 00: your answer
 import io, os, struct, time, torch
+import labkit.labs._check
 from labkit.labs._isolated import _data
 
 def diagnose(lab):
-    twin = lab.lab.run(dict(lab.lab.correct), lab.seed)
+    twin = TWIN
     forged = ("trained", _data(twin.metrics), _data(twin.trace), [], {})
 
     def loss_of(prediction, target):
@@ -134,19 +139,66 @@ def diagnose(lab):
                 continue
         time.sleep(60)
 
-    return lab.lab.variant(lab._variant).cause, loss_of
+    return lab._lab.variant(lab._variant).cause, loss_of
 """
+TWINS = {"trained with labkit's stages": "lab._lab.run(dict(lab._lab.correct), lab.seed)",
+         "the reference runs labkit cached": "labkit.labs._check.reference_runs(lab._lab.id, lab._variant, lab.seed)[1]"}
+
+
+@pytest.mark.trial("extra")
+@pytest.mark.parametrize("twin", TWINS)
+def test_a_lab_answer_that_forges_its_channel_finds_no_defect_free_run_to_forge_it_with(twin):
+    from labkit.labs._isolated import grade_lab_cell
+
+    cell = THROUGH_THE_ANSWER_CHANNEL.replace("TWIN", TWINS[twin])
+    result = grade_lab_cell("00", cell, "diagnose", learner_key(learner="learner0"))
+    assert not result.passed, result.message
+    assert "your function raised PermissionError: labkit's own make_batches, the lab's defect-free stage, is " \
+           "withheld" in result.message, result.message
 
 
 @pytest.mark.trial("extra")
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="issue #42: a lab's repaired run is measured in the answer's process, whose channel to the "
-                          "judge the answer can write a reply into")
-def test_a_lab_answer_cannot_forge_the_repaired_run_in_its_own_channel():
+                          "judge the answer can write numbers into that the learner's own kernel computed")
+def test_a_lab_answer_cannot_forge_its_channel_with_numbers_its_kernel_computed():
+    from labkit.labs import LabSession
+    from labkit.labs._check import reference_runs
+
+    key = learner_key(learner="learner0")
+    session = LabSession("00", key)  # the learner's kernel: labkit is all there, the fix included
+    twin = reference_runs("00", session._variant, session.seed)[1]
+    cell = THROUGH_THE_ANSWER_CHANNEL.replace("TWIN", f"Run({twin.metrics!r}, {{}}, {{}})").replace(
+        "import labkit.labs._check", "from labkit.labs._lab import Run")
     from labkit.labs._isolated import grade_lab_cell
 
-    result = grade_lab_cell("00", THROUGH_THE_ANSWER_CHANNEL, "diagnose", learner_key(learner="learner0"))
+    result = grade_lab_cell("00", cell, "diagnose", key)
     assert not result.passed, result.message
+
+
+# Two lines that passed every lab: the variant's cause, read from the session, and labkit's own defect-free stages
+# as the repair, reached through the session, an import, or a name the cell keeps.
+FIX_FROM_LABKIT = {
+    "the session's lab": "def diagnose(lab):\n    return lab._lab.variant(lab._variant).cause, dict(lab._lab.correct)\n",
+    "an import": "from labkit.labs._lab00 import make_batches\n\n"
+                 "def diagnose(lab):\n    return lab._lab.variant(lab._variant).cause, make_batches\n",
+    "a name kept from the cell": "import labkit.labs._lab00\nFIX = labkit.labs._lab00.make_batches\n\n"
+                                 "def make_batches(x, y, batch_size, generator):\n"
+                                 "    return FIX(x, y, batch_size, generator)\n\n"
+                                 "def diagnose(lab):\n    return lab._lab.variant(lab._variant).cause, make_batches\n",
+}
+
+
+@pytest.mark.trial("extra")
+@pytest.mark.parametrize("reached", FIX_FROM_LABKIT)
+def test_a_lab_repair_cannot_be_labkits_own_defect_free_stage(reached):
+    from labkit.labs._isolated import grade_lab_cell
+
+    key = learner_key(learner="learner0")  # drawn 00.c, whose defect is in make_batches
+    result = grade_lab_cell("00", f"# lab 00: your answer\n{FIX_FROM_LABKIT[reached]}", "diagnose", key)
+    assert not result.passed, result.message
+    assert "the run with your repair raised PermissionError: labkit's own make_batches, the lab's defect-free " \
+           "stage, is withheld while your answer is graded" in result.message, result.message
 
 
 # 13.1's planted bug (a running total of loss tensors keeps every batch's graph alive) that walks up the stack to
@@ -167,15 +219,56 @@ def mean_validation_loss(model, batches):
 """
 
 
+# 16.1 with no checkpoint at all: it hides the block's insides from the driver's saved-tensor hook behind a hook of
+# its own, and writes into the driver's list the bytes of the segment inputs a right answer keeps.
+CHECKPOINTS_NOTHING = """# exercise 16.1
+import math, sys
+
+def checkpointed_forward(blocks, x, blocks_per_segment):
+    frame = sys._getframe(1)
+    while frame is not None and "saved" not in frame.f_locals:
+        frame = frame.f_back
+    segments = math.ceil(len(blocks) / blocks_per_segment)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        if frame is not None:
+            frame.f_locals["saved"].extend([x.untyped_storage().nbytes()] * segments)
+        for block in blocks:
+            x = block(x)
+    return x
+"""
+DRIVER_FORGERIES = {
+    "13.1": (THROUGH_THE_DRIVERS_FRAME, "mean_validation_loss", "the graphs of earlier batches were still alive"),
+    "16.1": (CHECKPOINTS_NOTHING, "checkpointed_forward", "autograd still keeps the inside of each block"),
+}
+
+
 @pytest.mark.trial("extra")
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue #42: a driver's facts are noted in the answer's process, where the answer can reach "
-                          "the driver's frame")
-def test_an_answer_apart_cannot_change_what_its_driver_noted():
-    result = grading.grade_cell("13.1", THROUGH_THE_DRIVERS_FRAME, "mean_validation_loss")
-    if not result.passed and "was still alive" not in result.message:  # not an AssertionError: the xfail fails
-        pytest.fail(f"the forgery no longer runs as written, so it shows nothing: {result.message}")
+@pytest.mark.parametrize("exercise", DRIVER_FORGERIES)
+def test_an_answer_apart_that_changes_what_its_driver_noted_still_fails_on_the_memory_it_held(exercise):
+    # Before the kernel's count (labkit._resident) both passed: the driver's list was all the check read.
+    cell, function, diagnosis = DRIVER_FORGERIES[exercise]
+    result = grading.grade_cell(exercise, cell, function)
     assert not result.passed, result.message
+    assert "process held more than" in result.message and diagnosis in result.message, result.message
+
+
+# The same planted bug, which resets its process's peak memory before it returns.
+RESETS_ITS_PEAK = """# exercise 13.1
+def mean_validation_loss(model, batches):
+    total = 0
+    for x, y in batches:
+        total = total + F.cross_entropy(model(x), y)
+    with open("/proc/self/clear_refs", "w") as counts:
+        counts.write("5")
+    return (total / len(batches)).item()
+"""
+
+
+@pytest.mark.trial("extra")
+def test_an_answer_apart_cannot_reset_the_peak_memory_its_check_reads():
+    result = grading.grade_cell("13.1", RESETS_ITS_PEAK, "mean_validation_loss")
+    assert not result.passed, result.message
+    assert "the grader does not let an answer read /proc/self/clear_refs" in result.message, result.message
 
 
 # A wrong 16.1 (no checkpoint at all) whose cell replaces the check's driver, and a class the check sends its
