@@ -92,8 +92,9 @@ class AnswerProcess:
         with self.turn:
             if not measure_memory:
                 return self._call(args, {}, ("beside", driver))
-            peak = PeakResident(self.pid, self.held_at_fork)
-            return self._call(args, {}, ("beside", driver)), peak.growth()
+            with PeakResident(self.pid, self.held_at_fork) as peak:
+                result = self._call(args, {}, ("beside", driver))
+            return result, peak.growth
 
     def ask(self, question: bytes):
         """A question of a serve function of its own (a lab's, `labkit.labs._isolated.serve`): its reply, as data."""

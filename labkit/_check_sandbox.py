@@ -94,8 +94,9 @@ class _Attempt:
             return self._run(across, driver, args, measure_memory)
         if not measure_memory:
             return self._run(driver, self, *args)
-        peak = PeakResident(os.getpid())
-        return self._run(driver, self, *args), peak.growth()
+        with PeakResident(os.getpid()) as peak:
+            result = self._run(driver, self, *args)
+        return result, peak.growth
 
     @property
     def _apart(self) -> bool:

@@ -34,48 +34,50 @@ def counted_here() -> bool:
 
 
 class PeakResident:
-    """Started at construction; `growth` ends it and says the most the process ``pid`` held meanwhile.
+    """``with PeakResident(pid) as peak:`` around a stretch; after it, ``peak.growth`` is the most bytes the process
+    ``pid`` held meanwhile beyond its baseline (None where the kernel keeps no count this process can read).
 
     Two counts, the larger taken. The kernel's peak of every page the process held (its peak reset to the
     present at the start), above what it held at the start: exact, but blind to memory the process held before
-    the call and let go of during it, to make room. And its anonymous and shared memory (where tensors live),
+    the stretch and let go of during it, to make room. And its anonymous and shared memory (where tensors live),
     sampled every `SAMPLE_S` from a thread of this process, above what it held at ``held_since`` (for an answer
     process, what it held when it was forked, before any learner code ran), which that room counts against.
+    The kernel's peak counts the library code a first call of a torch function pages in (tens of MiB) with the
+    memory the stretch allocated; nothing a process does can lower either count.
     """
 
     def __init__(self, pid: int, held_since: int | None = None) -> None:
-        self.pid = pid
-        self.counted = counted_here()
-        if not self.counted:
-            return
+        self.pid, self.held_since = pid, held_since
+        self.growth: int | None = None
+
+    def __enter__(self) -> PeakResident:
+        if not counted_here():
+            return self
         self._reset()
         status = self._status()
         self.start, self.most_held = status["VmRSS"], status["held"]
-        self.since = status["held"] if held_since is None else held_since
+        self.since = status["held"] if self.held_since is None else self.held_since
         self._ended = threading.Event()
         self._sampler = threading.Thread(target=self._sample, name="labkit-peak-resident", daemon=True)
         self._sampler.start()
+        return self
 
-    def growth(self) -> int | None:
-        """Bytes the process held at its most since the start beyond the baseline; None without the kernel's count.
-
-        The kernel keeps one peak for every kind of page, so this counts the library code a first call of a
-        torch function pages in (tens of MiB) with the memory the call allocated; nothing a process does can
-        lower either count, so no answer can make itself look smaller."""
-        if not self.counted:
-            return None
+    def __exit__(self, kind, error, traceback) -> None:
+        if not hasattr(self, "_sampler"):
+            return
         self._ended.set()
         self._sampler.join()
-        status = self._status()
-        most_held = max(self.most_held, status["held"])
-        return max(0, status["VmHWM"] - self.start, most_held - self.since)
+        if kind is None:  # a stretch that raised is reported by what it raised, not by its memory
+            status = self._status()
+            most_held = max(self.most_held, status["held"])
+            self.growth = max(0, status["VmHWM"] - self.start, most_held - self.since)
 
     def _sample(self) -> None:
         while not self._ended.wait(SAMPLE_S):
             try:
                 self.most_held = max(self.most_held, self._status()["held"])
             except NotYet:
-                return  # the process ended: `growth` reads it once more and says so
+                return  # the process ended: the end of the stretch reads it once more and says so
 
     def _reset(self) -> None:
         try:

@@ -205,5 +205,12 @@ def test_a_process_whose_memory_cannot_be_counted_fails_its_check_with_that_reas
     ended = subprocess.Popen(["true"])
     ended.wait()  # reaped: /proc has no such process any more
     with pytest.raises(NotYet, match=f"could not count the memory of the process your function ran in \\(process "
-                                     f"{ended.pid}"):
-        _resident.PeakResident(ended.pid)
+                                     f"{ended.pid}"), _resident.PeakResident(ended.pid):
+        pass
+
+
+@pytest.mark.skipif(not _resident.counted_here(), reason="the kernel keeps no peak this process can reset (no /proc)")
+def test_a_stretch_that_raises_stops_its_sampler_and_says_no_growth():
+    with pytest.raises(ValueError, match="the answer's"), _resident.PeakResident(os.getpid()) as peak:
+        raise ValueError("the answer's")
+    assert peak.growth is None and not peak._sampler.is_alive()

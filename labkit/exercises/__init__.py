@@ -212,8 +212,9 @@ def run_beside_measuring_memory(function: Callable, driver: Callable, *args) -> 
     across = getattr(function, "run_beside", None)
     if across is not None:
         return across(driver, args, measure_memory=True)
-    peak = PeakResident(os.getpid())
-    return driver(function, *args), peak.growth()
+    with PeakResident(os.getpid()) as peak:
+        result = driver(function, *args)
+    return result, peak.growth
 
 
 def watched_call(function: Callable, args: tuple, wrt: tuple[int, ...], upstream: torch.Tensor | None,
