@@ -34,5 +34,5 @@ def describe_error(error: BaseException, limit: int) -> str:
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
-# How torch.utils._utils.ExceptionWrapper words an error it re-raises from another process.
+# How torch words an error a worker process raised (a DataLoader's) when it re-raises it in this one.
 _RERAISED = re.compile(r"Caught (\w+) (in .+?)\.\nOriginal Traceback \(most recent call last\):\n")
