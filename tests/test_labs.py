@@ -850,6 +850,23 @@ def test_a_dead_stuck_or_interrupted_worker_stops_every_process_the_run_started(
         signal.signal(signal.SIGINT, previous)
 
 
+def test_ctrl_c_while_the_loop_talks_to_its_workers_takes_effect_when_the_call_returns():
+    # Lab 14's calls into its DataLoader run so: a KeyboardInterrupt raised inside a Queue's put, with its lock
+    # taken, left the lock held, and the queue's finalizer later hung the test run in the garbage collector.
+    from labkit.labs._common import interrupts_deferred
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    reached = []
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # Python runs the handler here: it must not raise inside the call
+            reached.append(True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert reached == [True]
+
+
 def _interrupted_runs_stop_every_process(monkeypatch, lab_id, variant_id):
     _, variant = _variant(variant_id)
     reference_runs(lab_id, variant_id, 0)  # computed before the timeout is shortened

@@ -2,15 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import signal
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from labkit.labs._audit import StepAudit
 
 __all__: list[str] = []
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C while the body runs takes effect as it ends, not inside it.
+
+    For the calls that talk to DataLoader workers: a KeyboardInterrupt raised inside a multiprocessing.Queue's
+    put, after its lock was taken, leaves the lock held, and when the garbage collector later reaches that queue
+    its finalizer waits for the lock for ever (a test run hung so). The body's own waits are bounded (DataLoader's
+    timeout), so the interrupt is late by at most that. Outside the main thread, where no handler can be set,
+    the body runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 def reference_copy(stage: Callable) -> Callable:

@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from labkit.labs._common import audited_sgd, curve_text, number, one_step_effect, relative_gap, seeded
+from labkit.labs._common import (
+    audited_sgd,
+    curve_text,
+    interrupts_deferred,
+    number,
+    one_step_effect,
+    relative_gap,
+    seeded,
+)
 from labkit.labs._lab import Cause, Lab, Run, Variant
 
 __all__: list[str] = []
@@ -143,10 +151,12 @@ def train(stages, seed: int) -> Run:
                         multiprocessing_context="fork")
     losses, epochs, threads = [], [], set()
     for _ in range(EPOCHS):
-        batches = iter(loader)
+        with interrupts_deferred():  # it forks the workers and hands them their first indices
+            batches = iter(loader)
         epoch = []
         try:
-            for arrays, worker, worker_threads in batches:
+            while (batch := _next_batch(batches)) is not None:
+                arrays, worker, worker_threads = batch
                 indices, inputs, labels = (torch.from_numpy(array) for array in arrays)
                 threads.add(worker_threads)
                 epoch.append((indices, inputs, labels, worker))
@@ -156,7 +166,8 @@ def train(stages, seed: int) -> Run:
                 optimizer.step()
                 losses.append(loss.item())
         finally:
-            del batches  # the last reference: this epoch's workers stop now, also when the loop raised
+            with interrupts_deferred():
+                del batches  # the last reference: this epoch's workers stop now, also when the loop raised
         epochs.append(epoch)
     with torch.no_grad():
         logits = model(x_test)
@@ -170,6 +181,13 @@ def train(stages, seed: int) -> Run:
                {"model": model, "optimizer": optimizer, "losses": losses, "batches": batches,
                 "x": x, "y": y, "x_test": x_test, "y_test": y_test},
                audit.problems(len(losses)))  # a step per batch the workers hand over: their count is the stream's
+
+
+def _next_batch(batches):
+    """The next batch the workers hand over, or None after the last: the training step between two stays
+    where Ctrl-C lands (`interrupts_deferred`)."""
+    with interrupts_deferred():
+        return next(batches, None)
 
 
 def _stream_health(epochs: list[list], x, y) -> dict:
