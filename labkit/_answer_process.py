@@ -52,7 +52,7 @@ from torch.amp import GradScaler
 
 from labkit._check_sandbox import _CheckTimedOut, _Namespaces, _plain, _time_limit
 from labkit._grader_process import GARBLED_REPLY_EXIT_CODE
-from labkit._resident import PeakResident, held_now
+from labkit._resident import held_now, measured
 from labkit.exercises import Differentiated, NotYet, registry, watched_call
 from labkit.messages import describe_error
 
@@ -92,9 +92,7 @@ class AnswerProcess:
         with self.turn:
             if not measure_memory:
                 return self._call(args, {}, ("beside", driver))
-            with PeakResident(self.pid, self.held_at_fork) as peak:
-                result = self._call(args, {}, ("beside", driver))
-            return result, peak.growth
+            return measured(lambda: self._call(args, {}, ("beside", driver)), self.pid, self.held_at_fork)
 
     def ask(self, question: bytes):
         """A question of a serve function of its own (a lab's, `labkit.labs._isolated.serve`): its reply, as data."""

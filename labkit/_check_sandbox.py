@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit._resident import PeakResident
+from labkit._resident import measured
 from labkit._torch_compat import use_deterministic_algorithms
 from labkit.exercises import Differentiated, Exercise, NotYet, watched_call
 
@@ -94,9 +94,7 @@ class _Attempt:
             return self._run(across, driver, args, measure_memory)
         if not measure_memory:
             return self._run(driver, self, *args)
-        with PeakResident(os.getpid()) as peak:
-            result = self._run(driver, self, *args)
-        return result, peak.growth
+        return measured(lambda: self._run(driver, self, *args))
 
     @property
     def _apart(self) -> bool:

@@ -15,7 +15,9 @@ sandboxed kernels), the measurement is None and a check judges by its instrument
 from __future__ import annotations
 
 import functools
+import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from labkit.exercises import NotYet
@@ -90,6 +92,14 @@ class PeakResident:
             return _counts(Path(f"/proc/{self.pid}/status").read_text())
         except OSError as error:
             raise _unmeasured(self.pid, error) from error
+
+
+def measured(call: Callable[[], object], pid: int | None = None,
+             held_since: int | None = None) -> tuple[object, int | None]:
+    """``call()``'s result, and `PeakResident`'s growth of process ``pid`` (this one by default) while it ran."""
+    with PeakResident(os.getpid() if pid is None else pid, held_since) as peak:
+        result = call()
+    return result, peak.growth
 
 
 # How often the sampler reads the process's memory: a graph kept alive across batches is alive for many times this.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import os
 import pkgutil
 import re
 from collections.abc import Callable
@@ -207,14 +206,12 @@ def run_beside_measuring_memory(function: Callable, driver: Callable, *args) -> 
     Where the answer runs apart, the count is read from the grading process, out of the answer's reach: a check
     whose lesson is memory (graphs kept alive, activations not freed) requires it as well as its driver's facts,
     so an answer that empties what its driver noted still fails on the memory it really held."""
-    from labkit._resident import PeakResident
+    from labkit._resident import measured
 
     across = getattr(function, "run_beside", None)
     if across is not None:
         return across(driver, args, measure_memory=True)
-    with PeakResident(os.getpid()) as peak:
-        result = driver(function, *args)
-    return result, peak.growth
+    return measured(lambda: driver(function, *args))
 
 
 def watched_call(function: Callable, args: tuple, wrt: tuple[int, ...], upstream: torch.Tensor | None,

@@ -24,10 +24,10 @@ def interrupts_deferred() -> Iterator[None]:
     For the calls that talk to DataLoader workers: a KeyboardInterrupt raised inside a multiprocessing.Queue's
     put, after its lock was taken, leaves the lock held, and when the garbage collector later reaches that queue
     its finalizer waits for the lock for ever (a test run hung so). The body's own waits are bounded (DataLoader's
-    timeout), so the interrupt is late by at most that. Outside the main thread, where no handler can be set,
-    the body runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    timeout), so the interrupt is late by at most that; if the body raises meanwhile, its error is what
+    propagates. Outside the main thread, where no handler can be set, the body runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # None: a handler set outside Python, which could not be put back
         return
     received: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))

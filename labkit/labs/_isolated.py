@@ -23,8 +23,9 @@ answer process withholds labkit's own defect-free version of every stage the var
 the function object refuses every call, however the cell reached it: the session, an import, a name kept) and
 holds no reference run (the judge trained its own before the fork). So such a forgery needs numbers its learner's
 own kernel computed, where labkit is whole, pasted into the cell: a strict xfail in
-tests/reliability/test_report_forgery.py. Closing it needs the judge to train the run itself, at a seed the
-learner cannot know, calling only the repaired stages across.
+tests/reliability/test_report_forgery.py. A seed the learner cannot know in advance would not close it alone
+(for most labs another seed's defect-free run is within the recovery tolerance); closing it needs the judge to
+train the run itself, calling only the repaired stages across, at a seed drawn from the answer cell's text.
 """
 
 from __future__ import annotations
