@@ -67,6 +67,7 @@ UNSET_NBGRADER = "import os\nos.environ.pop('NBGRADER_EXECUTION', None)\n"  # NG
 REPLACE_CHECK = "import labkit.grading as _g\n_g.check = lambda *a, **k: print('✓ passed (patched)')\n"  # NG1
 PATCH_TORCH = "torch.Tensor.abs = lambda self: self * 0\n"  # PG28
 IGNORE_ALARM = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"  # PG10
+READS_ITS_STACK = "import sys\nCALLER = sys._getframe()\n"
 EXIT_IN_FUNCTION = "\ndef mean_output(gru, padded, lengths):\n    import os\n    os._exit(0)\n"  # PG5
 
 
@@ -142,7 +143,8 @@ def course(tmp_path_factory) -> Path:
     hand_in(root, "alice", {"00_start_here.ipynb": alice})
     hand_in(root, "bob", {"04_autograd_modes.ipynb": attacking_04(root)})
     hand_in(root, "carol", {"00_start_here.ipynb": faked_00(root)})
-    erin = with_lab_answer(released(root, "00_start_here.ipynb"), lab_answer(lab_variant("erin")))
+    # erin's right answer also reads the call stack: it passes, marked for the grader to read
+    erin = with_lab_answer(released(root, "00_start_here.ipynb"), lab_answer(lab_variant("erin"), READS_ITS_STACK))
     hand_in(root, "erin", {"00_start_here.ipynb": erin})
     done = nbgrader(root, "autograde", ASSIGNMENT)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -168,6 +170,20 @@ def test_two_learners_with_different_variants_each_pass_the_lab_with_their_own_a
     log = (course / "autograde.log").read_text()
     assert "labkit regraded lab 00 for alice in isolation: passed" in log
     assert "labkit regraded lab 00 for erin in isolation: passed" in log
+
+
+def test_a_pass_whose_cell_reads_the_call_stack_keeps_its_point_with_a_line_to_review(course):
+    graded = nbformat.read(course / "autograded" / "erin" / ASSIGNMENT / "00_start_here.ipynb", 4)
+    (check,) = [cell for cell in graded.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "check_lab_00"]
+    shown = [output.get("text", "") for output in check.outputs if output.output_type == "stream"]
+    assert shown == ["To review: the answer cell uses what no lesson calls for, so it may be written against its "
+                     "check, not the lesson; read it before the grade counts: the call stack or the garbage "
+                     "collector's objects (sys._getframe)\n"]
+    assert "labkit: 00.lab passed with a cell to read before the grade counts" in (course / "autograde.log").read_text()
+    # alice's answer, the same but for that line, shows the verdict alone
+    graded = nbformat.read(course / "autograded" / "alice" / ASSIGNMENT / "00_start_here.ipynb", 4)
+    (check,) = [cell for cell in graded.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "check_lab_00"]
+    assert [output.output_type for output in check.outputs] == ["display_data"]
 
 
 def test_another_learners_lab_answer_with_nbgrader_unset_and_the_check_replaced_gets_nothing(course):

@@ -197,3 +197,84 @@ def test_an_exercise_renumbered_by_the_learner_is_named_and_nothing_is_written(l
     assert "it has a cell for exercise 00.9, which is not one of 00_start_here's exercises" in row.message
     assert "put back '# exercise 00.2'" in row.message
     assert (learner / NAME).read_bytes() == before
+
+
+# --- passes to review: what a passing cell uses that no lesson calls for (labkit.course._answer_review) ---
+
+READS_ITS_STACK = "import sys\nCALLER = sys._getframe()\n"
+
+
+def test_a_pass_whose_cell_reads_the_call_stack_stays_a_pass_marked_to_review(learner, capsys):
+    edit(learner, answered("00.1"))
+    edit(learner, lambda nb: setattr(next(c for c in nb.cells if student.exercise_id_of(c) == "00.1"), "source",
+                                     next(c for c in nb.cells if student.exercise_id_of(c) == "00.1").source
+                                     + "\n" + READS_ITS_STACK))
+    (row,) = [row for row in exercise_progress.recheck_folder(learner).rows if row.exercise == "00.1"]
+    assert (row.status, row.review) == (exercise_progress.PASSED,
+                                        ("the call stack or the garbage collector's objects (sys._getframe)",))
+    assert labkit_main(["progress", str(learner)]) == 0
+    out = capsys.readouterr().out
+    assert "passed, to review" in out and "Total: 1/3 exercises passed" in out
+    assert "  00.1 (00_start_here): the call stack or the garbage collector's objects (sys._getframe)" in out
+    assert labkit_main(["progress", str(learner), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["total"]["passed"], report["total"]["to_review"]) == (1, 1)
+    # a learner's second copy that passes without it wins, and there is nothing to review
+    shutil.copy(learner / NAME, learner / "00_start_here-mine.ipynb")
+    edit(learner, answered("00.1"))
+    (row,) = [row for row in exercise_progress.recheck_folder(learner).rows if row.exercise == "00.1"]
+    assert (row.status, row.review) == (exercise_progress.PASSED, ())
+
+
+@pytest.mark.parametrize(("cell", "means"), [
+    ("import inspect as look\ndef f():\n    return look.stack()\n", "the call stack or the garbage collector's objects (inspect.stack)"),
+    ("import gc\nfound = gc.get_referrers(1)\n", "the call stack or the garbage collector's objects (gc.get_referrers)"),
+    ("def f(error):\n    return error.__traceback__.tb_frame\n", "the call stack or the garbage collector's objects (error.__traceback__.tb_frame)"),
+    ("from os import write\nwrite(5, b'x')\n", "raw file descriptors (os.write)"),
+    ("with open('/proc/self/clear_refs', 'w') as counts:\n    counts.write('5')\n",
+     "the kernel's files of a process ('/proc/self/clear_refs')"),
+    ("def diagnose(lab):\n    return lab._variant\n", "private names (lab._variant)"),
+    ("from labkit.labs import _lab00\n", "private names (labkit.labs._lab00)"),
+    ("import inspect, labkit.labs\ntext = inspect.getsource(labkit.labs)\n", "a function's code or source (inspect.getsource)"),
+    ("def f(g):\n    return g.__code__\n", "a function's code or source (g.__code__)"),
+    ("from torch import Tensor\nTensor.abs = lambda self: self\n", "a change to a module or to the environment (Tensor.abs)"),
+    ("import os\nos.environ['NBGRADER_EXECUTION'] = ''\n", "a change to a module or to the environment (os.environ['NBGRADER_EXECUTION'])"),
+    ("import os\nos.environ.pop('NBGRADER_EXECUTION', None)\n", "a change to a module or to the environment (os.environ.pop)"),
+    ("setattr(torch, 'allclose', print)\n", "a change to a module or to the environment (setattr(torch, 'allclose', print))"),
+])
+def test_each_means_no_lesson_calls_for_is_named_with_its_first_use(cell, means):
+    from labkit.course._answer_review import reaches
+
+    assert reaches(cell) == (means,)
+
+
+@pytest.mark.parametrize("cell", [
+    "x = torch.stack([torch.ones(2)])\n",  # torch's stack, not inspect's
+    "class Probe:\n    def __init__(self):\n        self._seen = []\n",  # the cell's own private attribute
+    "from torch.nn.modules.batchnorm import _BatchNorm\nkinds = (_BatchNorm,)\n",  # an idiom of 05's answers
+    "def init(layer):\n    layer.weight = nn.Parameter(torch.zeros(2, 2))\n",  # an object's attribute, no module's
+    "def write(model):\n    return model\nwrite(1)\n",  # a function of the cell's own named write
+    "def broken(:\n",  # not Python: its grade says so
+])
+def test_what_the_lessons_use_is_not_marked(cell):
+    from labkit.course._answer_review import reaches
+
+    assert reaches(cell) == ()
+
+
+def test_no_solution_or_correct_answer_of_the_workbook_is_marked_to_review():
+    from exercise_variants import VARIANTS
+    from test_labs import REPAIRS, _answer_cell
+
+    from labkit.course._answer_review import reaches
+    from labkit.labs._isolated import lab_of_answer_cell
+
+    marked = {}
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, 4).cells:
+            if cell.cell_type == "code" and (student.exercise_id_of(cell) or lab_of_answer_cell(cell.source)):
+                marked.update({f"{path.name}: {cell.source[:30]}": found} if (found := reaches(cell.source)) else {})
+    marked.update({f"{eid} alternative": found for eid, variant in VARIANTS.items()
+                   if (found := reaches(variant.alternative))})
+    marked.update({f"{variant} repair": found for variant in REPAIRS if (found := reaches(_answer_cell(variant)))})
+    assert len(REPAIRS) == 52 and marked == {}

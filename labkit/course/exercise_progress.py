@@ -8,7 +8,9 @@ in a process of its own, as the check cell and nbgrader's autograde do (so the
 three agree, and a cell that patches the grader, exits or hangs fails only its own exercise). The
 table lists the exercises of the notebooks in FOLDER. Verdicts are never read from outputs, so a
 hand-made "passed" output or a check cell replaced by a print counts for nothing; only whether a
-pass came after the hint's recipe was shown is read from the stored grade records. A notebook whose
+pass came after the hint's recipe was shown is read from the stored grade records. A pass whose cell uses
+means no lesson calls for (the call stack, raw descriptors, private names: `_answer_review`) is marked for
+the instructor to read; it stays a pass. A notebook whose
 every exercise cell is the solution notebook's code (comments, the solution markers and layout
 aside: a copy of the solutions) is skipped and named. ``--stored``
 reads the verdicts the notebooks stored instead (`course_progress`, from the outputs `grading.check`
@@ -27,6 +29,7 @@ from pathlib import Path
 import nbformat
 
 from labkit import grading, student
+from labkit.course._answer_review import reaches
 from labkit.errors import LabkitError
 from labkit.exercises import exercise_order, registry
 from labkit.labs import catalogue as lab_catalogue
@@ -42,6 +45,8 @@ __all__: list[str] = []
 PASSED, NOT_YET, NOT_RUN = "passed", "not yet", "not run"
 # How a pass that came after the hint's recipe was shown reads in the table.
 AFTER_RECIPE = "passed after the recipe"
+# How a pass whose cell the instructor should read (`_answer_review`) reads in the table.
+TO_REVIEW = "to review"
 # A notebook of the workbook is a few hundred kilobytes; anything far larger is not one.
 MAX_NOTEBOOK_BYTES = 50 * 2**20
 MISSING = "cell missing"
@@ -64,6 +69,13 @@ class Progress:
     message: str
     # the learner's kernel showed the hint's recipe before this exercise passed (read from stored records)
     after_recipe: bool = False
+    # what a passing cell uses that no lesson calls for (`_answer_review.reaches`), for the instructor to read
+    review: tuple[str, ...] = ()
+
+    def shown_status(self) -> str:
+        """The status as the table shows it: a pass after the recipe says so, a pass to review says so."""
+        status = AFTER_RECIPE if self.after_recipe else self.status
+        return f"{status}, {TO_REVIEW}" if self.review else status
 
 
 @dataclass
@@ -88,7 +100,7 @@ def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
             skipped.append(path.name)
             continue
         for row in _notebook_rows(path, answers, solutions) + _lab_rows(path, key):
-            if row.exercise not in best or _RANK[row.status] > _RANK[best[row.exercise].status]:
+            if row.exercise not in best or _better(row, best[row.exercise]):
                 best[row.exercise] = row
     numbers = _numbers_of(paths)
     rows = [best.get(eid) or Progress(spec.notebook, eid, spec.title, NOT_RUN, "")
@@ -96,6 +108,12 @@ def recheck_folder(folder: Path, source: Path = DEFAULT_SOURCE) -> Report:
     rows += [best.get(lab["grade_id"]) or Progress(lab["notebook"], lab["grade_id"], lab["title"], NOT_RUN, "")
              for lab in _labs() if lab["notebook"][:2] in numbers]
     return Report(RECHECKED, sorted(rows, key=lambda row: exercise_order(row.exercise)), skipped)
+
+
+def _better(row: Progress, than: Progress) -> bool:
+    """Whether ``row`` outranks ``than`` (a learner's copies answer one exercise): a pass wins, and a pass with
+    nothing to review wins over one to review."""
+    return (_RANK[row.status], not row.review) > (_RANK[than.status], not than.review)
 
 
 def learner_of_folder(folder: Path) -> str:
@@ -128,7 +146,7 @@ def _lab_rows(path: Path, key: str) -> list[Progress]:
     result = grade_lab_cell(lab["id"], cells[-1].source, function, key, where=f"{path.name} lab {lab['id']}",
                             follow_up=False)
     return [Progress(lab["notebook"], lab["grade_id"], lab["title"], PASSED if result.passed else NOT_YET,
-                     result.message)]
+                     result.message, review=reaches(cells[-1].source) if result.passed else ())]
 
 
 def _numbers_of(paths: list[Path]) -> set[str]:
@@ -211,7 +229,7 @@ def _notebook_rows(path: Path, answers: dict[str, str], solutions: dict) -> list
         result = recheck(eid, answers[eid], solutions[eid].function, f"{path.name} exercise {eid}")
         after_recipe = result.passed and bool(stored.get(eid, {}).get("after_recipe"))
         rows.append(Progress(spec.notebook, eid, spec.title, PASSED if result.passed else NOT_YET, result.message,
-                             after_recipe))
+                             after_recipe, reaches(answers[eid]) if result.passed else ()))
     return rows
 
 
@@ -292,6 +310,11 @@ def describe(report: Report, folder: str) -> str:
     lines = [how, progress_table(report.rows)]
     if report.skipped:
         lines.append(f"Skipped as copies of solution notebooks: {', '.join(report.skipped)}")
+    reviewed = [row for row in report.rows if row.review]
+    if reviewed:
+        lines.append(f"Passes {TO_REVIEW}: each cell uses what no lesson calls for and could be written against its "
+                     "check, not the lesson; read it before the grade counts (docs/COURSE.md):")
+        lines += [f"  {row.exercise} ({row.notebook}): {'; '.join(row.review)}" for row in reviewed]
     missing = [row.message for row in report.rows if row.status == MISSING]
     return "\n".join(lines + missing)
 
@@ -299,8 +322,7 @@ def describe(report: Report, folder: str) -> str:
 def progress_table(rows: list[Progress]) -> str:
     """The rows as an aligned text table with a total line."""
     header = ("notebook", "exercise", "status", "title")
-    lines = [header] + [(row.notebook, row.exercise, AFTER_RECIPE if row.after_recipe else row.status, row.title)
-                        for row in rows]
+    lines = [header] + [(row.notebook, row.exercise, row.shown_status(), row.title) for row in rows]
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     text = ["  ".join(value.ljust(width) for value, width in zip(line, widths)).rstrip() for line in lines]
     counts = _counts(rows)
@@ -330,7 +352,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         counts = {status: sum(row.status == status for row in report.rows) for status in _RANK}
         total = {"exercises": len(report.rows), "passed": counts[PASSED], "not_yet": counts[NOT_YET],
-                 "missing": counts[MISSING], "not_run": counts[NOT_RUN]}
+                 "missing": counts[MISSING], "not_run": counts[NOT_RUN],
+                 "to_review": sum(bool(row.review) for row in report.rows)}
         print(json.dumps({"folder": args.folder, "method": report.method, "skipped": report.skipped,
                           "exercises": [asdict(row) for row in report.rows], "total": total}, indent=2))
     else:

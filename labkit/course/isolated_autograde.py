@@ -7,7 +7,9 @@ each locked check cell it grades the notebook's exercise cell with `grading.grad
 check cell the lab's answer cell with `labkit.labs._isolated.grade_lab_cell` for the student nbgrader
 grades (a process of its own, as ``labkit progress`` does, so the two agree) and replaces the check cell's outputs
 with that verdict: the verdict line, and an AssertionError when it is not a pass, which is how
-nbgrader's `SaveAutoGrades` scores a test cell. `AUTOGRADE_PREPROCESSORS` is nbgrader's default
+nbgrader's `SaveAutoGrades` scores a test cell. A pass whose cell uses what no lesson calls for (the call
+stack, raw descriptors, private names: `labkit.course._answer_review`) gets a line saying what to read, for the
+grader in formgrader, and a warning in the log; the score stands. `AUTOGRADE_PREPROCESSORS` is nbgrader's default
 list with it inserted; the course's nbgrader_config.py (`labkit.course.layout`) sets it.
 """
 
@@ -17,6 +19,7 @@ import nbformat
 from nbgrader.preprocessors import NbGraderPreprocessor
 
 from labkit import grading, student
+from labkit.course._answer_review import reaches
 from labkit.course.marks import checked_exercise
 from labkit.labs._draw import learner_key
 from labkit.labs._isolated import checked_function as checked_lab_function
@@ -49,7 +52,8 @@ class RegradeInIsolation(NbGraderPreprocessor):
         for cell in nb.cells:
             lab_check = _graded_lab_check(cell, name)
             if lab_check is not None:
-                cell.outputs = _outputs(self._regrade_lab(*lab_check, lab_answers, name, resources))
+                result = self._regrade_lab(*lab_check, lab_answers, name, resources)
+                cell.outputs = _outputs(result, self._review(result, lab_answers.get(lab_check[0], "")))
                 continue
             graded = _graded_check(cell, name)
             if graded is None:
@@ -59,8 +63,16 @@ class RegradeInIsolation(NbGraderPreprocessor):
                                         where=f"{name} exercise {exercise_id}", follow_up=False)
             self.log.info("labkit regraded exercise %s in isolation: %s", exercise_id,
                           "passed" if result.passed else "not yet")
-            cell.outputs = _outputs(result)
+            cell.outputs = _outputs(result, self._review(result, answers.get(exercise_id, "")))
         return nb, resources
+
+    def _review(self, result: grading.Result, source: str) -> tuple[str, ...]:
+        """What a passing answer cell uses that no lesson calls for, logged as a warning."""
+        review = reaches(source) if result.passed else ()
+        if review:
+            self.log.warning("labkit: %s passed with a cell to read before the grade counts: %s", result.exercise,
+                             "; ".join(review))
+        return review
 
     def _regrade_lab(self, lab_id: str, function: str, answers: dict, name: str, resources) -> grading.Result:
         """The lab's answer cell graded for the student nbgrader grades, whose identity draws the variant
@@ -93,12 +105,20 @@ def _graded_check(cell, name: str) -> tuple[str, str] | None:
     return (exercise_id, match.group(2)) if exercise_id and match else None
 
 
-def _outputs(result: grading.Result) -> list:
+def _outputs(result: grading.Result, review: tuple[str, ...] = ()) -> list:
     record = {grading.GRADE_MIMETYPE: {"exercise": result.exercise, "notebook": result.notebook,
                                        "passed": result.passed, "message": result.message},
               "text/plain": result.message}
     outputs = [nbformat.v4.new_output("display_data", data=record)]
+    if review:
+        outputs.append(nbformat.v4.new_output("stream", name="stdout", text=review_line(review) + "\n"))
     if not result.passed:
         outputs.append(nbformat.v4.new_output("error", ename="AssertionError", evalue=result.message,
                                               traceback=[f"AssertionError: {result.message}"]))
     return outputs
+
+
+def review_line(review: tuple[str, ...]) -> str:
+    """The line a pass to review shows under its verdict."""
+    return ("To review: the answer cell uses what no lesson calls for, so it may be written against its check, "
+            f"not the lesson; read it before the grade counts: {'; '.join(review)}")

@@ -16,16 +16,18 @@ patches torch or labkit, exits, hangs, ignores SIGALRM, unsets ``NBGRADER_EXECUT
 pipes it finds can only fail its own lab. The learner's kernel (`labs.check`), nbgrader's autograde
 (`labkit.course.isolated_autograde`) and ``labkit progress`` all grade a lab this way, so they agree.
 
-What this does not stop yet (issue #42): the repaired run is measured in the answer's process, so a repaired
-stage can write a framed reply of its own into the channel (it finds the descriptor by trying them) and the judge
-takes it for the run. What it cannot write any more is a defect-free run made *there*: before the cell runs, the
-answer process withholds labkit's own defect-free version of every stage the variant breaks (`_withhold_the_fix`:
-the function object refuses every call, however the cell reached it: the session, an import, a name kept) and
-holds no reference run (the judge trained its own before the fork). So such a forgery needs numbers its learner's
-own kernel computed, where labkit is whole, pasted into the cell: a strict xfail in
-tests/reliability/test_report_forgery.py. A seed the learner cannot know in advance would not close it alone
-(for most labs another seed's defect-free run is within the recovery tolerance); closing it needs the judge to
-train the run itself, calling only the repaired stages across, at a seed drawn from the answer cell's text.
+What this does not stop (issue #42, argued in docs/COURSE.md): the repaired run is measured in the answer's
+process, so a repaired stage can write a framed reply of its own into the channel (it finds the descriptor by
+trying them) and the judge takes it for the run. What it cannot write any more is a defect-free run made *there*:
+before the cell runs, the answer process withholds labkit's own defect-free version of every stage the variant
+breaks (`_withhold_the_fix`: the function object refuses every call, however the cell reached it: the session, an
+import, a name kept) and holds no reference run (the judge trained its own before the fork). So such a forgery
+needs numbers its learner's own kernel computed with labkit's fix, pasted into the cell (a strict xfail in
+tests/reliability/test_report_forgery.py); every learner's labkit holds that fix, so pasting its text as the repair
+is the shorter way to the same pass. A seed the learner cannot know in advance would not close it alone (for most
+labs another seed's defect-free run is within the recovery tolerance); closing it needs the judge to train the run
+itself, calling only the repaired stages across. The forgery needs means no lesson calls for (raw descriptors),
+which `labkit.course._answer_review` marks for the instructor to read.
 """
 
 from __future__ import annotations

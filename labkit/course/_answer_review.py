@@ -1,0 +1,158 @@
+"""What in a passing answer an instructor should read before trusting its grade.
+
+The verdict that counts is computed where an answer cannot reach its check (`labkit._grader_process`), but
+a few facts a check judges are noted in the answer's own process (the route an exercise's answer took, a
+lab's repaired run), and a lab's defect-free stages ship in labkit, where every learner's kernel can read
+them (docs/COURSE.md says which forgeries that leaves). An answer written against the check rather than the
+lesson needs means that no lesson of the workbook calls for: the call stack or the garbage collector's
+objects (where a check keeps its notes), raw file descriptors and the kernel's files of a process (the channel
+to the judge, the memory counts a check reads), private names (a
+lab's draw and its fix), a function's code or source, or a change to a module or to the environment.
+`reaches` names those a cell's source uses, read from its syntax tree (nothing runs). ``labkit progress``
+and nbgrader's regrade print them beside a pass; the pass stands, and the instructor reads the cell.
+"""
+
+from __future__ import annotations
+
+import ast
+
+__all__: list[str] = []
+
+FRAMES = "the call stack or the garbage collector's objects"
+DESCRIPTORS = "raw file descriptors"
+PROC = "the kernel's files of a process"
+PRIVATE = "private names"
+CODE = "a function's code or source"
+PATCH = "a change to a module or to the environment"
+
+# Functions, by the name they are imported under, that only an answer written against its check calls.
+CALLS = {
+    FRAMES: {"sys._getframe", "sys._current_frames", "inspect.currentframe", "inspect.stack", "inspect.trace",
+             "inspect.getouterframes", "inspect.getinnerframes", "traceback.walk_stack", "traceback.extract_stack",
+             "gc.get_objects", "gc.get_referrers", "gc.get_referents"},
+    DESCRIPTORS: {*(f"os.{name}" for name in ("read", "readv", "pread", "write", "writev", "pwrite", "dup", "dup2",
+                                              "fdopen", "sendfile", "pipe")),
+                  "socket.socket", "socket.fromfd", "socket.socketpair"},
+    CODE: {"inspect.getsource", "inspect.getsourcelines", "inspect.getsourcefile", "inspect.getfile",
+           "linecache.getline", "linecache.getlines", "types.CodeType", "types.FunctionType"},
+    PATCH: {"os.putenv", "os.unsetenv", "object.__setattr__", "object.__delattr__",
+            *(f"os.environ.{name}" for name in ("pop", "popitem", "clear", "update", "setdefault", "__delitem__"))},
+}
+# Attributes that lead to the same places, whatever object they are read from.
+ATTRIBUTES = {
+    FRAMES: {"f_back", "f_locals", "f_globals", "f_builtins", "tb_frame", "gi_frame", "cr_frame", "ag_frame"},
+    CODE: {"__code__", "__globals__", "__closure__", "__defaults__", "__kwdefaults__", "__file__"},
+}
+# What an exercise or lab cell may use without importing it (`labkit.grading.EXERCISE_NAMESPACE`).
+PRESET = {"torch": "torch", "nn": "torch.nn", "F": "torch.nn.functional", "np": "numpy", "math": "math"}
+# Where the kernel keeps a process's counts and descriptors: a path an answer names to read or reset them.
+PROC_PATHS = ("/proc/", "/dev/fd/")
+ORDER = (FRAMES, DESCRIPTORS, PROC, PRIVATE, CODE, PATCH)
+MAX_EXAMPLE_CHARS = 40
+
+
+def reaches(source: str) -> tuple[str, ...]:
+    """Each means of `ORDER` that ``source`` uses, with its first use: ``"raw file descriptors (os.write)"``.
+    Empty for a cell that is not Python (its grade says so already)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ()
+    names = _imported_names(tree)
+    modules = {path.split(".")[0] for path in names.values()} | {"builtins"}
+    found: dict[str, str] = {}
+    in_reading_order = sorted(ast.walk(tree), key=lambda node: (getattr(node, "lineno", 0), getattr(node, "col_offset", 0)))
+    for node in in_reading_order:
+        for means, example in _uses(node, names, modules):
+            found.setdefault(means, example)
+    return tuple(f"{means} ({found[means]})" for means in ORDER if means in found)
+
+
+def _imported_names(tree: ast.AST) -> dict[str, str]:
+    """What each name the cell binds by import (or finds preset) stands for, as a dotted path."""
+    names = dict(PRESET)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                names[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _dotted(node: ast.AST, names: dict[str, str]) -> str | None:
+    """``node`` as the dotted path it names (``lab._lab.variant``), imports resolved; None past a call or index."""
+    if isinstance(node, ast.Name):
+        return names.get(node.id, node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, names)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _uses(node: ast.AST, names: dict[str, str], modules: set[str]):
+    """(means, example) for what ``node`` itself uses; ``modules`` are the top-level modules the cell imports."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        yield from _imports(node)
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(PROC_PATHS):
+        yield PROC, _shown(node)
+    elif isinstance(node, ast.Name | ast.Attribute):
+        path = _dotted(node, names)
+        called = next((means for means, paths in CALLS.items() if path in paths), None)
+        if called:
+            yield called, path
+        elif isinstance(node, ast.Attribute):
+            yield from _attribute(node, path, modules)
+    if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
+        targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+        yield from ((PATCH, _shown(target)) for target in targets if _patches(target, names, modules))
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+            and node.args and _root(node.args[0], names) in modules:
+        yield PATCH, _shown(node)
+
+
+def _imports(node: ast.Import | ast.ImportFrom):
+    paths = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+             else [f"{node.module}.{alias.name}" for alias in node.names] if node.module else [])
+    for path in paths:
+        called = next((means for means, calls in CALLS.items() if path in calls), None)
+        if called:
+            yield called, path
+        elif path.split(".")[0] == "labkit" and any(_private(part) for part in path.split(".")):
+            yield PRIVATE, path  # another library's private names are its own business (05's _BatchNorm)
+
+
+def _attribute(node: ast.Attribute, path: str | None, modules: set[str]):
+    """A frame's or function's attribute; or a private one, unless it is the cell's own (``self._x``) or a library's
+    other than labkit (``torch.nn.modules.batchnorm._BatchNorm``, an idiom of the lessons)."""
+    for means, attributes in ATTRIBUTES.items():
+        if node.attr in attributes:
+            yield means, path or f"….{node.attr}"
+            return
+    root = path.split(".")[0] if path else None
+    library = root in modules and root != "labkit"
+    own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+    if _private(node.attr) and not own and not library:
+        yield PRIVATE, path or f"….{node.attr}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _root(node: ast.AST, names: dict[str, str]) -> str | None:
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        node = node.value
+    return names.get(node.id, node.id).split(".")[0] if isinstance(node, ast.Name) else None
+
+
+def _patches(target: ast.AST, names: dict[str, str], modules: set[str]) -> bool:
+    """Whether assigning (or deleting) ``target`` changes an imported module's attribute or item:
+    ``torch.Tensor.abs``, ``json.dumps``, ``os.environ['X']``; a plain name or a local object's attribute does not."""
+    return isinstance(target, ast.Attribute | ast.Subscript) and _root(target, names) in modules
+
+
+def _shown(node: ast.AST) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= MAX_EXAMPLE_CHARS else text[:MAX_EXAMPLE_CHARS - 1] + "…"
