@@ -241,6 +241,11 @@ def test_a_pass_whose_cell_reads_the_call_stack_stays_a_pass_marked_to_review(le
     ("import os\nos.environ['NBGRADER_EXECUTION'] = ''\n", "a change to a module or to the environment (os.environ['NBGRADER_EXECUTION'])"),
     ("import os\nos.environ.pop('NBGRADER_EXECUTION', None)\n", "a change to a module or to the environment (os.environ.pop)"),
     ("setattr(torch, 'allclose', print)\n", "a change to a module or to the environment (setattr(torch, 'allclose', print))"),
+    ("def diagnose(lab):\n    return getattr(lab, '_variant')\n", "private names (getattr(lab, '_variant'))"),
+    ("HIDDEN = '_variant'\ndef diagnose(lab):\n    return getattr(lab, HIDDEN)\n", "private names ('_variant')"),
+    ("writer = __import__('o' + 's')\n", "names made at run time (__import__)"),
+    ("def diagnose(lab):\n    return vars(lab)\n", "names made at run time (vars)"),
+    ("def diagnose(lab):\n    return lab.__dict__\n", "names made at run time (lab.__dict__)"),
 ])
 def test_each_means_no_lesson_calls_for_is_named_with_its_first_use(cell, means):
     from labkit.course._answer_review import reaches
@@ -254,6 +259,9 @@ def test_each_means_no_lesson_calls_for_is_named_with_its_first_use(cell, means)
     "from torch.nn.modules.batchnorm import _BatchNorm\nkinds = (_BatchNorm,)\n",  # an idiom of 05's answers
     "def init(layer):\n    layer.weight = nn.Parameter(torch.zeros(2, 2))\n",  # an object's attribute, no module's
     "def write(model):\n    return model\nwrite(1)\n",  # a function of the cell's own named write
+    "def evaluate(model, x):\n    model.eval()\n    return getattr(model, 'weight', None)\n",  # a method named eval
+    "def layers(model, names):\n    return [getattr(model, name) for name in names]\n",  # 06.2's idiom
+    "def f(x):\n    _, index = x.max(0)\n    return index\n",  # an underscore for what is not needed
     "def broken(:\n",  # not Python: its grade says so
 ])
 def test_what_the_lessons_use_is_not_marked(cell):

@@ -5,11 +5,16 @@ a few facts a check judges are noted in the answer's own process (the route an e
 lab's repaired run), and a lab's defect-free stages ship in labkit, where every learner's kernel can read
 them (docs/COURSE.md says which forgeries that leaves). An answer written against the check rather than the
 lesson needs means that no lesson of the workbook calls for: the call stack or the garbage collector's
-objects (where a check keeps its notes), raw file descriptors and the kernel's files of a process (the channel
-to the judge, the memory counts a check reads), private names (a
-lab's draw and its fix), a function's code or source, or a change to a module or to the environment.
+objects (where a check keeps its notes), raw file descriptors and the kernel's files of a process (the
+channel to the judge, the memory counts a check reads), private names (a lab's draw and its fix), a
+function's code or source, a change to a module or to the environment, or names made at run time (``eval``,
+``__import__``, ``vars``), which would hide the others from this reading.
+
 `reaches` names those a cell's source uses, read from its syntax tree (nothing runs). ``labkit progress``
-and nbgrader's regrade print them beside a pass; the pass stands, and the instructor reads the cell.
+and nbgrader's regrade print them beside a pass; the pass stands, and the instructor reads the cell. It
+reads what is written: a learner set on hiding a means from it can (a name spelt with ``chr``), but the
+forgeries as written, and their plain disguises (``getattr(lab, "_lab")``, ``"_lab"`` kept in a variable),
+are marked.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ PROC = "the kernel's files of a process"
 PRIVATE = "private names"
 CODE = "a function's code or source"
 PATCH = "a change to a module or to the environment"
+DYNAMIC = "names made at run time"
 
 # Functions, by the name they are imported under, that only an answer written against its check calls.
 CALLS = {
@@ -37,17 +43,23 @@ CALLS = {
            "linecache.getline", "linecache.getlines", "types.CodeType", "types.FunctionType"},
     PATCH: {"os.putenv", "os.unsetenv", "object.__setattr__", "object.__delattr__",
             *(f"os.environ.{name}" for name in ("pop", "popitem", "clear", "update", "setdefault", "__delitem__"))},
+    # what turns a string into a name, so that the names above need not be written out
+    DYNAMIC: {"eval", "exec", "__import__", "vars", "globals", "locals", "importlib.import_module",
+              "builtins.__import__", "builtins.eval", "builtins.exec"},
 }
 # Attributes that lead to the same places, whatever object they are read from.
 ATTRIBUTES = {
     FRAMES: {"f_back", "f_locals", "f_globals", "f_builtins", "tb_frame", "gi_frame", "cr_frame", "ag_frame"},
     CODE: {"__code__", "__globals__", "__closure__", "__defaults__", "__kwdefaults__", "__file__"},
+    DYNAMIC: {"__dict__", "__getattribute__", "__subclasses__", "__builtins__", "__bases__", "__mro__"},
 }
+# Built-ins that reach an attribute by its name as a string: a written-out name is judged as the attribute.
+BY_NAME = ("getattr", "setattr", "delattr", "hasattr")
 # What an exercise or lab cell may use without importing it (`labkit.grading.EXERCISE_NAMESPACE`).
 PRESET = {"torch": "torch", "nn": "torch.nn", "F": "torch.nn.functional", "np": "numpy", "math": "math"}
 # Where the kernel keeps a process's counts and descriptors: a path an answer names to read or reset them.
 PROC_PATHS = ("/proc/", "/dev/fd/")
-ORDER = (FRAMES, DESCRIPTORS, PROC, PRIVATE, CODE, PATCH)
+ORDER = (FRAMES, DESCRIPTORS, PROC, PRIVATE, CODE, PATCH, DYNAMIC)
 MAX_EXAMPLE_CHARS = 40
 
 
@@ -95,21 +107,33 @@ def _uses(node: ast.AST, names: dict[str, str], modules: set[str]):
     """(means, example) for what ``node`` itself uses; ``modules`` are the top-level modules the cell imports."""
     if isinstance(node, ast.Import | ast.ImportFrom):
         yield from _imports(node)
-    elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(PROC_PATHS):
-        yield PROC, _shown(node)
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        if node.value.startswith(PROC_PATHS):
+            yield PROC, _shown(node)
+        elif node.value.isidentifier() and _private(node.value) and len(node.value) > 1:
+            yield PRIVATE, _shown(node)  # a private name kept as a string, to be looked up later
     elif isinstance(node, ast.Name | ast.Attribute):
         path = _dotted(node, names)
         called = next((means for means, paths in CALLS.items() if path in paths), None)
         if called:
             yield called, path
         elif isinstance(node, ast.Attribute):
-            yield from _attribute(node, path, modules)
+            yield from _attribute(node.value, node.attr, path or f"….{node.attr}", names, modules)
     if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
         targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
         yield from ((PATCH, _shown(target)) for target in targets if _patches(target, names, modules))
-    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
-            and node.args and _root(node.args[0], names) in modules:
-        yield PATCH, _shown(node)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BY_NAME and node.args:
+        yield from _by_name(node, names, modules)
+
+
+def _by_name(call: ast.Call, names: dict[str, str], modules: set[str]):
+    """``getattr(lab, "_lab")`` as the attribute it names. A name computed from variables is an idiom of the lessons
+    (``getattr(model, name)``): the private strings it could be made of are marked where they are written."""
+    named = call.args[1] if len(call.args) > 1 else None
+    if isinstance(named, ast.Constant) and isinstance(named.value, str):
+        yield from _attribute(call.args[0], named.value, _shown(call), names, modules)
+    if call.func.id in ("setattr", "delattr") and _root(call.args[0], names) in modules:
+        yield PATCH, _shown(call)
 
 
 def _imports(node: ast.Import | ast.ImportFrom):
@@ -123,18 +147,19 @@ def _imports(node: ast.Import | ast.ImportFrom):
             yield PRIVATE, path  # another library's private names are its own business (05's _BatchNorm)
 
 
-def _attribute(node: ast.Attribute, path: str | None, modules: set[str]):
-    """A frame's or function's attribute; or a private one, unless it is the cell's own (``self._x``) or a library's
-    other than labkit (``torch.nn.modules.batchnorm._BatchNorm``, an idiom of the lessons)."""
+def _attribute(base: ast.AST, attribute: str, shown: str, names: dict[str, str], modules: set[str]):
+    """``attribute`` of ``base``: a frame's, a function's or a namespace's; or a private one, unless it is the cell's
+    own (``self._x``) or a library's other than labkit (``torch.nn.modules.batchnorm._BatchNorm``, an idiom of the
+    lessons)."""
     for means, attributes in ATTRIBUTES.items():
-        if node.attr in attributes:
-            yield means, path or f"….{node.attr}"
+        if attribute in attributes:
+            yield means, shown
             return
-    root = path.split(".")[0] if path else None
+    root = _root(base, names)
     library = root in modules and root != "labkit"
-    own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-    if _private(node.attr) and not own and not library:
-        yield PRIVATE, path or f"….{node.attr}"
+    own = isinstance(base, ast.Name) and base.id in ("self", "cls")
+    if _private(attribute) and not own and not library:
+        yield PRIVATE, shown
 
 
 def _private(name: str) -> bool:
