@@ -177,9 +177,9 @@ def test_a_pass_whose_cell_reads_the_call_stack_keeps_its_point_with_a_line_to_r
     (check,) = [cell for cell in graded.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "check_lab_00"]
     shown = [output.get("text", "") for output in check.outputs if output.output_type == "stream"]
     assert shown == ["To review: the answer cell uses what no lesson calls for, so it may be written against its "
-                     "check, not the lesson; read it before the grade counts: the call stack or the garbage "
+                     "check, not the lesson; read it before you trust the pass: the call stack or the garbage "
                      "collector's objects (sys._getframe)\n"]
-    assert "labkit: 00.lab passed with a cell to read before the grade counts" in (course / "autograde.log").read_text()
+    assert "labkit: 00.lab passed with a cell to read before you trust the pass" in (course / "autograde.log").read_text()
     # alice's answer, the same but for that line, shows the verdict alone
     graded = nbformat.read(course / "autograded" / "alice" / ASSIGNMENT / "00_start_here.ipynb", 4)
     (check,) = [cell for cell in graded.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == "check_lab_00"]

@@ -313,7 +313,7 @@ def describe(report: Report, folder: str) -> str:
     reviewed = [row for row in report.rows if row.review]
     if reviewed:
         lines.append(f"Passes {TO_REVIEW}: each cell uses what no lesson calls for and could be written against its "
-                     "check, not the lesson; read it before the grade counts (docs/COURSE.md):")
+                     "check, not the lesson; read it before you trust the pass (docs/COURSE.md):")
         lines += [f"  {row.exercise} ({row.notebook}): {'; '.join(row.review)}" for row in reviewed]
     missing = [row.message for row in report.rows if row.status == MISSING]
     return "\n".join(lines + missing)

@@ -70,7 +70,7 @@ class RegradeInIsolation(NbGraderPreprocessor):
         """What a passing answer cell uses that no lesson calls for, logged as a warning."""
         review = reaches(source) if result.passed else ()
         if review:
-            self.log.warning("labkit: %s passed with a cell to read before the grade counts: %s", result.exercise,
+            self.log.warning("labkit: %s passed with a cell to read before you trust the pass: %s", result.exercise,
                              "; ".join(review))
         return review
 
@@ -121,4 +121,4 @@ def _outputs(result: grading.Result, review: tuple[str, ...] = ()) -> list:
 def review_line(review: tuple[str, ...]) -> str:
     """The line a pass to review shows under its verdict."""
     return ("To review: the answer cell uses what no lesson calls for, so it may be written against its check, "
-            f"not the lesson; read it before the grade counts: {'; '.join(review)}")
+            f"not the lesson; read it before you trust the pass: {'; '.join(review)}")
