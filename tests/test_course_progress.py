@@ -206,9 +206,11 @@ READS_ITS_STACK = "import sys\nCALLER = sys._getframe()\n"
 
 def test_a_pass_whose_cell_reads_the_call_stack_stays_a_pass_marked_to_review(learner, capsys):
     edit(learner, answered("00.1"))
-    edit(learner, lambda nb: setattr(next(c for c in nb.cells if student.exercise_id_of(c) == "00.1"), "source",
-                                     next(c for c in nb.cells if student.exercise_id_of(c) == "00.1").source
-                                     + "\n" + READS_ITS_STACK))
+
+    def read_the_stack(nb):
+        (cell,) = [cell for cell in nb.cells if student.exercise_id_of(cell) == "00.1"]
+        cell.source += "\n" + READS_ITS_STACK
+    edit(learner, read_the_stack)
     (row,) = [row for row in exercise_progress.recheck_folder(learner).rows if row.exercise == "00.1"]
     assert (row.status, row.review) == (exercise_progress.PASSED,
                                         ("the call stack or the garbage collector's objects (sys._getframe)",))
@@ -251,6 +253,18 @@ def test_each_means_no_lesson_calls_for_is_named_with_its_first_use(cell, means)
     from labkit.course._answer_review import reaches
 
     assert reaches(cell) == (means,)
+
+
+def test_a_chain_of_attributes_too_deep_to_read_is_marked_not_a_crash():
+    # 1,500 chained attributes compile and run; reading them recursively passed Python's limit and raised
+    # RecursionError out of `labkit progress`, ending the whole folder's report
+    from labkit.course._answer_review import reaches
+
+    chain = "VALUE = (1)" + ".real" * 1500 + "\n"
+    compile(chain, "cell", "exec")
+    assert reaches(chain) == ("expressions nested too deeply to read (its syntax tree is deeper than Python's "
+                              "recursion limit)",)
+    assert reaches("VALUE = (1)" + ".real" * 100_000 + "\n") == ()  # past the parser's own limit: it cannot pass
 
 
 @pytest.mark.parametrize("cell", [

@@ -30,6 +30,7 @@ PRIVATE = "private names"
 CODE = "a function's code or source"
 PATCH = "a change to a module or to the environment"
 DYNAMIC = "names made at run time"
+TOO_DEEP = "expressions nested too deeply to read"
 
 # Functions, by the name they are imported under, that only an answer written against its check calls.
 CALLS = {
@@ -65,11 +66,18 @@ MAX_EXAMPLE_CHARS = 40
 
 def reaches(source: str) -> tuple[str, ...]:
     """Each means of `ORDER` that ``source`` uses, with its first use: ``"raw file descriptors (os.write)"``.
-    Empty for a cell that is not Python (its grade says so already)."""
+    Empty for a cell that does not compile (nesting past the parser's limit included): it cannot pass."""
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError):
         return ()
+    try:
+        return _reached(tree)
+    except RecursionError:  # a chain of a thousand attributes compiles and runs, and is past reading here
+        return (f"{TOO_DEEP} (its syntax tree is deeper than Python's recursion limit)",)
+
+
+def _reached(tree: ast.AST) -> tuple[str, ...]:
     names = _imported_names(tree)
     modules = {path.split(".")[0] for path in names.values()} | {"builtins"}
     found: dict[str, str] = {}

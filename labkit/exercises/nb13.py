@@ -5,10 +5,11 @@ started (the planted bug adds each loss tensor into a running total, so every gr
 activations live until the end). The check watches what autograd saves through
 `torch.autograd.graph.saved_tensors_hooks`, which names the batch whose graph outlived the next, and
 bounds the memory the kernel counted for the answer's process, which the answer cannot rewrite. 13.2
-asks for that count itself, written with the same hook: the activation bytes a module's forward keeps, as `memory.saved_bytes` counts them, on blocks
-the notebook does not show (the planted bug adds up every tensor the hook is handed, so the
-parameters, the input and a tensor two operations save are all counted). Activation
-checkpointing's exercises moved with case K4 to 16_speed_and_memory (`labkit/exercises/nb16.py`).
+asks for that count itself, written with the same hook: the activation bytes a module's forward keeps,
+as `memory.saved_bytes` counts them, on blocks the notebook does not show (the planted bug adds up every
+tensor the hook is handed, so the parameters, the input and a tensor two operations save are all
+counted). Activation checkpointing's exercises moved with case K4 to 16_speed_and_memory
+(`labkit/exercises/nb16.py`).
 """
 
 from __future__ import annotations
